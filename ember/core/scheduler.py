@@ -1,0 +1,198 @@
+"""The scheduler: which requests run this step and how many tokens each computes (torch-free).
+
+One rule covers every phase: each running request's num_computed_tokens catches up with its
+num_tokens, under a per-step token budget. A fresh prompt is a long catch-up (chunked when it
+exceeds the budget), a prefix hit starts the count above zero, a decode is a catch-up of one.
+Requests are ordered by lane (interactive before batch), priority and arrival; when KV blocks
+run out the last of that order is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ember.config import SchedulerConfig
+from ember.core.kv_cache_manager import KVCacheManager
+from ember.core.request import Request, RequestStatus
+from ember.core.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: the model computes token_ids at positions start_pos..."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    needs_sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+        self.num_computed_tokens_total = 0  # tokens the model actually computed
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        key = request.sort_key
+        idx = len(self.waiting)
+        while idx > 0 and self.waiting[idx - 1].sort_key > key:
+            idx -= 1
+        self.waiting.insert(idx, request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.sort_key)
+        preempted = False
+        scheduled: list[tuple[Request, int]] = []
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                idx += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                idx += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            computed_blocks, num_hit = [], 0
+            if req.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - num_hit
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.kv.allocate_slots(req, n, computed_blocks):
+                break
+            self.waiting.pop(0)
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            params = req.sampling_params
+            with_history = params.has_penalties
+            out.scheduled.append(ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=req.token_ids_slice(start, start + n),
+                start_pos=start,
+                block_ids=self.kv.block_ids(req.request_id),
+                needs_sample=start + n == req.num_tokens,
+                sampling_params=params,
+                prompt_token_ids=req.prompt_token_ids if with_history else [],
+                output_token_ids=list(req.output_token_ids) if with_history else [],
+            ))
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue_waiting(req)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens; return requests that got a token."""
+        advanced = []
+        for sr in out.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += len(sr.token_ids)
+            self.num_computed_tokens_total += len(sr.token_ids)
+            self.kv.cache_blocks(req)
+            if sr.needs_sample:
+                req.output_token_ids.append(sampled[sr.request_id])
+                if req.check_stop():
+                    self._release(req)
+                advanced.append(req)
+        return advanced
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (stop strings, aborts)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self._finished_since_last_step.add(req.request_id)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for req in self.running:
+            if req.status != RequestStatus.RUNNING:
+                raise AssertionError(f"{req.request_id} in running with status {req.status}")
+        for req in self.waiting:
+            if self.kv.block_ids(req.request_id):
+                raise AssertionError(f"waiting request {req.request_id} holds blocks")

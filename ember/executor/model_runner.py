@@ -1,0 +1,157 @@
+"""Runs the model for one scheduled step: batch tensors in, sampled tokens out.
+
+The runner owns the model weights, the paged KV cache tensors (one per layer, slot-indexed)
+and per-request sampling state (seeded generators). It knows nothing of queues or HTTP: the
+scheduler's output is its only input.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ember.config import EngineConfig
+from ember.core.scheduler import ScheduledRequest, SchedulerOutput
+from ember.executor.checkpoint import Checkpoint
+from ember.layers.attention import AttentionMetadata, PrefillSpan
+from ember.layers.sampler import SamplerOutput, SamplingRow, sample
+from ember.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]
+    logprobs: dict[str, tuple[float, dict[int, float]]]
+
+
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    cls = model_class(checkpoint.hf_config)
+    with torch.device("meta"):
+        model = cls.from_hf_config(checkpoint.hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    loaded = model.load_weights(
+        (name, t.to(dtype)) for name, t in checkpoint.tensors())
+    loaded_params = {name.split("[")[0] for name in loaded}
+    missing = sorted(set(dict(model.named_parameters())) - loaded_params)
+    if missing:
+        raise ValueError(f"model: checkpoint {checkpoint.path} lacks {len(missing)} tensors, "
+                         f"e.g. {missing[:3]}")
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.model.device)
+        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.model = load_model(checkpoint, self.dtype, self.device)
+        per_token = math.prod(self.model.kv_cache_shape(1)) * self.model.num_kv_layers
+        self.kv_bytes_per_token = per_token * self.dtype.itemsize
+        self.num_kv_blocks = config.cache.num_kv_blocks or max(1, int(
+            config.cache.kv_cache_memory_gb * 1e9 // (self.kv_bytes_per_token * self.block_size)))
+        num_slots = self.num_kv_blocks * self.block_size
+        self.kv_caches = [
+            torch.empty(self.model.kv_cache_shape(num_slots), dtype=self.dtype, device=self.device)
+            for _ in range(self.model.num_kv_layers)]
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_generator = torch.Generator(device=self.device)
+        self._default_generator.manual_seed(config.model.seed)
+        logger.info("KV cache: %d blocks x %d tokens, %d bytes per token", self.num_kv_blocks,
+                    self.block_size, self.kv_bytes_per_token)
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _build_metadata(self, scheduled: list[ScheduledRequest],
+                        slot_mapping: torch.Tensor) -> AttentionMetadata:
+        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+        row = 0
+        for sr in scheduled:
+            n = len(sr.token_ids)
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(sr.block_ids)
+                decode_lens.append(sr.start_pos + 1)
+            else:
+                kv_slots = (self._slots(sr.block_ids, 0, sr.start_pos + n) if sr.start_pos
+                            else slot_mapping[row:row + n])
+                prefills.append(PrefillSpan(row, row + n, kv_slots.to(self.device), sr.start_pos))
+            row += n
+        if decode_rows:
+            max_len = max(decode_lens)
+            max_blocks = -(-max_len // self.block_size)
+            tables = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
+            for i, ids in enumerate(decode_tables):
+                ids = ids[:max_blocks]
+                tables[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            pos = torch.arange(max_len)
+            slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            valid = pos.unsqueeze(0) < torch.tensor(decode_lens).unsqueeze(1)
+            slots = slots.masked_fill(~valid, 0)
+            mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill(~valid, float("-inf"))
+            decode_kv_slots = slots.to(self.device)
+            decode_kv_mask = mask[:, None, None, :].to(self.device)
+        else:
+            decode_kv_slots = torch.zeros(0, 1, dtype=torch.long, device=self.device)
+            decode_kv_mask = torch.zeros(0, 1, 1, 1, dtype=self.dtype, device=self.device)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+            decode_kv_slots=decode_kv_slots,
+            decode_kv_mask=decode_kv_mask,
+            prefills=prefills,
+        )
+
+    def _sampling_row(self, sr: ScheduledRequest) -> SamplingRow:
+        params = sr.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = self._generators.get(sr.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+                self._generators[sr.request_id] = generator
+        return SamplingRow(params, generator, sr.prompt_token_ids, sr.output_token_ids)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        for rid in out.finished_request_ids:
+            self._generators.pop(rid, None)
+        if out.is_empty:
+            return StepResult({}, {})
+        scheduled = out.scheduled
+        input_ids = torch.tensor([t for sr in scheduled for t in sr.token_ids], dtype=torch.long)
+        positions = torch.cat([torch.arange(sr.start_pos, sr.start_pos + len(sr.token_ids))
+                               for sr in scheduled])
+        slot_mapping = torch.cat([self._slots(sr.block_ids, sr.start_pos,
+                                              sr.start_pos + len(sr.token_ids))
+                                  for sr in scheduled])
+        meta = self._build_metadata(scheduled, slot_mapping)
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device),
+                            self.kv_caches, meta)
+        sample_rows, sample_reqs, row = [], [], 0
+        for sr in scheduled:
+            row += len(sr.token_ids)
+            if sr.needs_sample:
+                sample_rows.append(row - 1)
+                sample_reqs.append(sr)
+        if not sample_reqs:
+            return StepResult({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        result: SamplerOutput = sample(logits, [self._sampling_row(sr) for sr in sample_reqs],
+                                       self._default_generator)
+        sampled = {sr.request_id: tok for sr, tok in zip(sample_reqs, result.token_ids,
+                                                         strict=True)}
+        logprobs = {sr.request_id: lp for sr, lp in zip(sample_reqs, result.logprobs,
+                                                        strict=True) if lp is not None}
+        return StepResult(sampled, logprobs)

@@ -1,0 +1,27 @@
+"""Maps a checkpoint's config (model_type / architectures) to the model class that runs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ember.models.llama import LlamaForCausalLM
+
+# model_type -> model class; each class offers from_hf_config(dict), kv_cache_shape(num_slots),
+# num_kv_layers, forward(input_ids, positions, kv_caches, meta), compute_logits(hidden) and
+# load_weights(iterable of (hf_name, tensor)) -> set of loaded parameter names.
+MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def model_class(hf_config: dict[str, Any]) -> type[nn.Module]:
+    model_type = hf_config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; "
+                         f"supported: {', '.join(sorted(MODEL_TYPES))}")
+    return MODEL_TYPES[model_type]
