@@ -2,7 +2,60 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_schema", "regex", "grammar")
+# JSON is written like Python's json.dumps and without free whitespace, which a model could
+# otherwise fill without end. A schema's own "x-guidance" options take precedence.
+JSON_GRAMMAR_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ",
+                        "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """A constraint on the output, enforced token by token while decoding.
+
+    kind "json": any JSON object (spec unused); "json_schema": spec is a JSON schema text;
+    "regex": spec is a regular expression; "grammar": spec is a Lark grammar in llguidance's
+    dialect (which adds `%json {schema}` and special tokens written `<|name|>`).
+    The grammar is checked on construction, so an invalid one never reaches the engine.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_OUTPUT_KINDS, "kind",
+               f"must be one of {STRUCTURED_OUTPUT_KINDS}", self.kind)
+        _check(isinstance(self.spec, str), "spec", "must be a string", self.spec)
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"spec: not valid JSON ({e})") from None
+            _check(isinstance(schema, dict | bool), "spec",
+                   "must be a JSON schema (an object or a boolean)", self.spec)
+        if self.kind in ("regex", "grammar"):
+            _check(bool(self.spec), "spec", f"must not be empty for kind {self.kind!r}",
+                   self.spec)
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(self.grammar())
+        if error:
+            raise ValueError(f"spec: invalid {self.kind}: {error.strip()}")
+
+    def grammar(self) -> str:
+        """The constraint as an llguidance grammar (what the executor compiles)."""
+        from llguidance import LLMatcher
+
+        if self.kind in ("json", "json_schema"):
+            schema = self.spec if self.kind == "json_schema" else '{"type": "object"}'
+            return LLMatcher.grammar_from_json_schema(
+                schema, defaults=JSON_GRAMMAR_OPTIONS)  # type: ignore[arg-type]
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.spec)
+        return LLMatcher.grammar_from_lark(self.spec)
 
 
 @dataclass
@@ -29,6 +82,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +118,9 @@ class SamplingParams:
                "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
                "repetition_penalty", "must be in (0, 10]", self.repetition_penalty)
+        _check(self.structured_output is None
+               or isinstance(self.structured_output, StructuredOutputSpec), "structured_output",
+               "must be a StructuredOutputSpec or None", self.structured_output)
         if self.top_k == -1:
             self.top_k = 0
 

@@ -48,6 +48,8 @@ class EngineStats:
     num_preemptions: int
     num_computed_tokens: int
     num_steps: int
+    # MoE models: per layer, max over mean tokens routed per expert (empty for dense models)
+    expert_load_imbalance: dict[int, float] = field(default_factory=dict)
 
 
 class EngineCore:

@@ -43,8 +43,8 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; use completions")
         return self.hf.apply_chat_template(messages, tokenize=False,

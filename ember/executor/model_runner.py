@@ -16,6 +16,7 @@ import torch
 from ember.config import EngineConfig
 from ember.core.scheduler import ScheduledRequest, SchedulerOutput
 from ember.executor.checkpoint import Checkpoint
+from ember.executor.structured_output import StructuredOutputManager
 from ember.layers.attention import AttentionMetadata, PrefillSpan
 from ember.layers.sampler import SamplerOutput, SamplingRow, sample
 from ember.models.registry import model_class
@@ -49,6 +50,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device)
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
         self.config = config
+        self.checkpoint = checkpoint
         self.device = torch.device(config.model.device)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
@@ -64,6 +66,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.model.seed)
+        self._structured: StructuredOutputManager | None = None  # made at first use
         logger.info("KV cache: %d blocks x %d tokens, %d bytes per token", self.num_kv_blocks,
                     self.block_size, self.kv_bytes_per_token)
 
@@ -123,10 +126,21 @@ class ModelRunner:
                 self._generators[sr.request_id] = generator
         return SamplingRow(params, generator, sr.prompt_token_ids, sr.output_token_ids)
 
+    def _structured_output(self, vocab_size: int) -> StructuredOutputManager:
+        if self._structured is None:
+            from ember.engine.tokenizer import load_tokenizer  # the tokenizer lives one layer up
+
+            tokenizer = load_tokenizer(self.checkpoint)
+            self._structured = StructuredOutputManager(tokenizer.hf, vocab_size,
+                                                       self.checkpoint.eos_token_ids())
+        return self._structured
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         for rid in out.finished_request_ids:
             self._generators.pop(rid, None)
+        if self._structured is not None:
+            self._structured.free(out.finished_request_ids)
         if out.is_empty:
             return StepResult({}, {})
         scheduled = out.scheduled
@@ -148,10 +162,19 @@ class ModelRunner:
         if not sample_reqs:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        constrained = [(i, sr.request_id, sr.sampling_params.structured_output)
+                       for i, sr in enumerate(sample_reqs)
+                       if sr.sampling_params.structured_output is not None]
+        structured = self._structured_output(logits.shape[-1]) if constrained else None
+        if structured is not None:
+            structured.mask_logits(logits, constrained)
         result: SamplerOutput = sample(logits, [self._sampling_row(sr) for sr in sample_reqs],
                                        self._default_generator)
         sampled = {sr.request_id: tok for sr, tok in zip(sample_reqs, result.token_ids,
                                                          strict=True)}
+        if structured is not None:
+            for _, rid, _ in constrained:
+                structured.accept(rid, sampled[rid])
         logprobs = {sr.request_id: lp for sr, lp in zip(sample_reqs, result.logprobs,
                                                         strict=True) if lp is not None}
         return StepResult(sampled, logprobs)

@@ -178,7 +178,8 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
             param = params.get(target)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             with torch.no_grad():
                 if shard is None:
                     _copy(param, tensor, name)

@@ -6,7 +6,10 @@ from typing import Any
 
 from torch import nn
 
+from ember.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ember.models.glm4_moe import Glm4MoeForCausalLM
 from ember.models.llama import LlamaForCausalLM
+from ember.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # model_type -> model class; each class offers from_hf_config(dict), kv_cache_shape(num_slots),
 # num_kv_layers, forward(input_ids, positions, kv_caches, meta), compute_logits(hidden) and
@@ -16,6 +19,11 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "kimi_k2": DeepseekV3ForCausalLM,
+    "kimi_k25": DeepseekV3ForCausalLM,  # multimodal wrapper; the text model is served
+    "glm4_moe": Glm4MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 
