@@ -17,7 +17,7 @@ from ember.config import EngineConfig
 from ember.core.scheduler import ScheduledRequest, SchedulerOutput
 from ember.executor.checkpoint import Checkpoint
 from ember.executor.structured_output import StructuredOutputManager
-from ember.layers.attention import AttentionMetadata, PrefillSpan
+from ember.layers.attention import AttentionMetadata, PrefillSpan, attention_dtype
 from ember.layers.sampler import SamplerOutput, SamplingRow, sample
 from ember.models.registry import model_class
 
@@ -37,8 +37,9 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device)
     with torch.device("meta"):
         model = cls.from_hf_config(checkpoint.hf_config)
     model = model.to_empty(device=device).to(dtype)
-    loaded = model.load_weights(
-        (name, t.to(dtype)) for name, t in checkpoint.tensors())
+    # tensors go in as stored: parameters cast on copy, and ones kept in fp32 (MoE routers)
+    # keep the checkpoint's precision
+    loaded = model.load_weights(checkpoint.tensors())
     loaded_params = {name.split("[")[0] for name in loaded}
     missing = sorted(set(dict(model.named_parameters())) - loaded_params)
     if missing:
@@ -55,18 +56,20 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         self.model = load_model(checkpoint, self.dtype, self.device)
+        self.kv_dtype = attention_dtype(self.dtype, self.device)
         per_token = math.prod(self.model.kv_cache_shape(1)) * self.model.num_kv_layers
-        self.kv_bytes_per_token = per_token * self.dtype.itemsize
+        self.kv_bytes_per_token = per_token * self.kv_dtype.itemsize
         self.num_kv_blocks = config.cache.num_kv_blocks or max(1, int(
             config.cache.kv_cache_memory_gb * 1e9 // (self.kv_bytes_per_token * self.block_size)))
         num_slots = self.num_kv_blocks * self.block_size
         self.kv_caches = [
-            torch.empty(self.model.kv_cache_shape(num_slots), dtype=self.dtype, device=self.device)
+            torch.empty(self.model.kv_cache_shape(num_slots), dtype=self.kv_dtype,
+                        device=self.device)
             for _ in range(self.model.num_kv_layers)]
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.model.seed)
-        self._structured: StructuredOutputManager | None = None  # made at first use
+        self.structured_output: StructuredOutputManager | None = None  # made at first use
         logger.info("KV cache: %d blocks x %d tokens, %d bytes per token", self.num_kv_blocks,
                     self.block_size, self.kv_bytes_per_token)
 
@@ -101,12 +104,12 @@ class ModelRunner:
             slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
             valid = pos.unsqueeze(0) < torch.tensor(decode_lens).unsqueeze(1)
             slots = slots.masked_fill(~valid, 0)
-            mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill(~valid, float("-inf"))
+            mask = torch.zeros(valid.shape, dtype=self.kv_dtype).masked_fill(~valid, float("-inf"))
             decode_kv_slots = slots.to(self.device)
             decode_kv_mask = mask[:, None, None, :].to(self.device)
         else:
             decode_kv_slots = torch.zeros(0, 1, dtype=torch.long, device=self.device)
-            decode_kv_mask = torch.zeros(0, 1, 1, 1, dtype=self.dtype, device=self.device)
+            decode_kv_mask = torch.zeros(0, 1, 1, 1, dtype=self.kv_dtype, device=self.device)
         return AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
@@ -126,21 +129,21 @@ class ModelRunner:
                 self._generators[sr.request_id] = generator
         return SamplingRow(params, generator, sr.prompt_token_ids, sr.output_token_ids)
 
-    def _structured_output(self, vocab_size: int) -> StructuredOutputManager:
-        if self._structured is None:
+    def _structured_output_manager(self, vocab_size: int) -> StructuredOutputManager:
+        if self.structured_output is None:
             from ember.engine.tokenizer import load_tokenizer  # the tokenizer lives one layer up
 
             tokenizer = load_tokenizer(self.checkpoint)
-            self._structured = StructuredOutputManager(tokenizer.hf, vocab_size,
-                                                       self.checkpoint.eos_token_ids())
-        return self._structured
+            eos = self.checkpoint.eos_token_ids() or tuple(tokenizer.eos_token_ids)
+            self.structured_output = StructuredOutputManager(tokenizer.hf, vocab_size, eos)
+        return self.structured_output
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         for rid in out.finished_request_ids:
             self._generators.pop(rid, None)
-        if self._structured is not None:
-            self._structured.free(out.finished_request_ids)
+        if self.structured_output is not None:
+            self.structured_output.free(out.finished_request_ids)
         if out.is_empty:
             return StepResult({}, {})
         scheduled = out.scheduled
@@ -165,7 +168,7 @@ class ModelRunner:
         constrained = [(i, sr.request_id, sr.sampling_params.structured_output)
                        for i, sr in enumerate(sample_reqs)
                        if sr.sampling_params.structured_output is not None]
-        structured = self._structured_output(logits.shape[-1]) if constrained else None
+        structured = self._structured_output_manager(logits.shape[-1]) if constrained else None
         if structured is not None:
             structured.mask_logits(logits, constrained)
         result: SamplerOutput = sample(logits, [self._sampling_row(sr) for sr in sample_reqs],

@@ -140,8 +140,8 @@ class LlamaForCausalLM(nn.Module):
         return cls(LlamaArgs.from_hf(cfg))
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
-        """Shape of one layer's cache: K and V per slot."""
-        return (2, num_slots, self.args.num_key_value_heads, self.args.head_dim)
+        """Shape of one layer's cache: K and V, head-major so a gather yields [H, L, D]."""
+        return (2, self.args.num_key_value_heads, num_slots, self.args.head_dim)
 
     @property
     def num_kv_layers(self) -> int:
