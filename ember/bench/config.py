@@ -1,4 +1,4 @@
-"""The bench configuration: one dataclass, validated on construction (ValueError names the field)."""
+"""The bench configuration, validated on construction (ValueError names the field)."""
 
 from __future__ import annotations
 
@@ -139,6 +139,8 @@ class BenchConfig:
     api_key: str | None = None
     prices: Prices = field(default_factory=lambda: Prices(*DEFAULT_PRICES))
     price_table: dict[str, Prices] = field(default_factory=dict)
+    launch: dict[str, str] = field(default_factory=dict)  # endpoint name -> shell command
+    launch_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         _require(len(self.endpoints) >= 1, "endpoints", "need at least one")
@@ -160,6 +162,10 @@ class BenchConfig:
         _require(self.warmup >= 0, "warmup", f"must be >= 0, got {self.warmup}")
         _require(self.request_timeout > 0, "request_timeout",
                  f"must be > 0, got {self.request_timeout}")
+        unknown = sorted(set(self.launch) - set(names))
+        _require(not unknown, "launch", f"no endpoint named {', '.join(unknown)}")
+        _require(self.launch_timeout > 0, "launch_timeout",
+                 f"must be > 0, got {self.launch_timeout}")
         if self.num_requests is None and self.duration is None:
             self.num_requests = 10 * self.concurrency
         default_in, default_out = WORKLOAD_DEFAULT_LENGTHS[self.workload]

@@ -86,7 +86,8 @@ def fit_prompt(build: Callable[[int, int], Messages], target: int, tokenizer: Be
 def build_workload(config: BenchConfig, corpus: Corpus, context_length: int | None) -> Workload:
     """The streams of config.workload; long prompts need the server's context length."""
     if config.workload == "chat":
-        sessions = _chat_sessions(config, corpus, "chat", config.input_len, config.output_len)
+        sessions = _chat_sessions(config, corpus, "chat", config.input_len, config.output_len,
+                                  "input_len")
         return Workload(Stream("chat", sessions, config.concurrency, config.rate), None, {
             "input_len": config.input_len.describe(), "output_len": config.output_len.describe(),
         })
@@ -102,15 +103,16 @@ def build_workload(config: BenchConfig, corpus: Corpus, context_length: int | No
     if config.workload == "long-context":
         long_len = context_length - config.output_len.upper() - CONTEXT_MARGIN
         sessions = _chat_sessions(config, corpus, "long", LengthDist("fixed", long_len),
-                                  config.output_len)
+                                  config.output_len, "context_length")
         return Workload(Stream("long", sessions, config.concurrency, config.rate), None, {
             "context_length": context_length, "input_len": long_len,
             "output_len": config.output_len.describe(),
         })
     long_len = context_length - 1 - CONTEXT_MARGIN
-    short = _chat_sessions(config, corpus, "short", config.input_len, config.output_len)
+    short = _chat_sessions(config, corpus, "short", config.input_len, config.output_len,
+                           "input_len")
     long = _chat_sessions(config, corpus, "long", LengthDist("fixed", long_len),
-                          LengthDist("fixed", 1))
+                          LengthDist("fixed", 1), "context_length")
     background = [next(long) for _ in range(config.long_requests)]
     return Workload(Stream("short", short, config.concurrency, config.rate),
                     Stream("long", iter(background), 1, None), {
@@ -121,7 +123,7 @@ def build_workload(config: BenchConfig, corpus: Corpus, context_length: int | No
 
 
 def _chat_sessions(config: BenchConfig, corpus: Corpus, stream: str, input_len: LengthDist,
-                   output_len: LengthDist) -> Iterator[Session]:
+                   output_len: LengthDist, field_name: str) -> Iterator[Session]:
     """Independent one-turn prompts: an instruction and a stdlib excerpt, input_len tokens in
     all as the server counts them (chat template included)."""
     rng = random.Random(f"{config.seed}:{config.workload}:{stream}")
@@ -136,7 +138,7 @@ def _chat_sessions(config: BenchConfig, corpus: Corpus, stream: str, input_len: 
             text = corpus.excerpt(k, file_index + attempt, position)
             return [{"role": "user", "content": CHAT_INSTRUCTION + text}]
 
-        messages = fit_prompt(build, target, corpus.tokenizer, f"{stream} input_len")
+        messages = fit_prompt(build, target, corpus.tokenizer, field_name)
         yield Session(f"{stream}-{index}", None, messages, [], [max_tokens])
         index += 1
 
