@@ -63,7 +63,8 @@ def gguf_config(reader: GGUFFile) -> dict[str, Any]:
         "rope_theta": get("rope.freq_base", 10000.0),
         "max_position_embeddings": get("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names
+        and (arch == "qwen2" or "blk.0.attn_output.bias" in tensor_names),
         "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
     }

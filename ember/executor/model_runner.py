@@ -40,8 +40,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device)
     # tensors go in as stored: parameters cast on copy, and ones kept in fp32 (MoE routers)
     # keep the checkpoint's precision
     loaded = model.load_weights(checkpoint.tensors())
-    loaded_params = {name.split("[")[0] for name in loaded}
-    missing = sorted(set(dict(model.named_parameters())) - loaded_params)
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"model: checkpoint {checkpoint.path} lacks {len(missing)} tensors, "
                          f"e.g. {missing[:3]}")

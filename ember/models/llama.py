@@ -34,7 +34,8 @@ class LlamaArgs:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # biases on q/k/v
+    o_proj_bias: bool
     qk_norm: bool
     partial_rotary_factor: float = 1.0
 
@@ -58,7 +59,8 @@ class LlamaArgs:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            o_proj_bias=model_type != "qwen2" and cfg.get("attention_bias", False),
             qk_norm=model_type == "qwen3",
             partial_rotary_factor=cfg.get("partial_rotary_factor", 1.0),
         )
@@ -74,7 +76,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary = rotary
@@ -185,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
                     _copy(param, tensor, name)
                 else:
                     _copy(param.narrow(0, *self._shard_range(parts[-2], shard)), tensor, name)
-            loaded.add(target if shard is None else f"{target}[{shard}]")
+            loaded.add(target)
         return loaded
 
     def _shard_range(self, proj: str, shard: int) -> tuple[int, int]:
