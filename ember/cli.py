@@ -8,7 +8,6 @@ import sys
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("ember.engine.generate_cli", "generate text offline from prompts"),
     "bench": ("ember.bench.cli", "load-test OpenAI-compatible servers side by side"),
     "serve": ("ember.server.cli", "serve a model over the OpenAI-compatible HTTP API"),
     "cost": ("ember.server.cost_cli", "print spend and cached-token savings from the ledger"),

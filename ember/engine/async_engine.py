@@ -63,6 +63,7 @@ class AsyncEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_type: str | None = None  # the checkpoint's, for the tool-call format
         self.processor = OutputProcessor(tokenizer)
         self.max_model_len = 0
         self.vocab_size: int | None = None
@@ -93,6 +94,7 @@ class AsyncEngine:
             checkpoint = await asyncio.to_thread(open_checkpoint, config.model.model)
             tokenizer = await asyncio.to_thread(load_tokenizer, checkpoint)
             engine = cls(config, tokenizer, checkpoint.name)
+            engine.model_type = checkpoint.hf_config.get("model_type")
             engine._process, engine._to_core, engine._from_core = process, to_core, from_core
             first = await asyncio.to_thread(_recv_or_none, from_core)
             if not isinstance(first, CoreReady):
