@@ -80,7 +80,7 @@ def test_shared_prefix_is_cached_and_billed_less(tiny_server, capsys) -> None:
         assert raw.headers["x-session-affinity"] == session
         return raw.parse()
 
-    first = ask("alpha", lane="batch")
+    first = ask("alpha")
     second = ask("omega")
     assert first.usage.prompt_tokens == second.usage.prompt_tokens > 150
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -91,7 +91,7 @@ def test_shared_prefix_is_cached_and_billed_less(tiny_server, capsys) -> None:
     rows = {e.request_id: e for e in ledger.entries() if e.session_id == session}
     ledger.close()
     a, b = rows[first.id], rows[second.id]
-    assert (a.lane, b.lane) == ("batch", "interactive")
+    assert (a.lane, b.lane) == ("interactive", "interactive")
     assert (a.cached_tokens, b.cached_tokens) == (0, cached)
     assert b.completion_tokens == a.completion_tokens == 4
     assert b.cost_usd < a.cost_usd
@@ -106,7 +106,7 @@ def test_shared_prefix_is_cached_and_billed_less(tiny_server, capsys) -> None:
     assert main(["cost", "--ledger", str(tiny_server.ledger_path), "--by", "lane", "--since",
                  "1h", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert {r["group"] for r in report["rows"]} >= {"batch", "interactive"}
+    assert "interactive" in {r["group"] for r in report["rows"]}
     assert report["saved_usd"] >= b.saved_usd
     assert main(["cost", "--ledger", str(tiny_server.ledger_path), "--since",
                  "2000-01-01", "--until", "2000-01-02"]) == 0
