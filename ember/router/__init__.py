@@ -1,0 +1,1 @@
+"""`ember route`: a gateway over replicas (session affinity, prefix-aware, health, failover)."""
