@@ -96,8 +96,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if meta.num_decodes:
         kd = gather_slots(k_cache, meta.decode_kv_slots, dim=1)  # [Hkv, Bd, L, D]
         vd = gather_slots(v_cache, meta.decode_kv_slots, dim=1)
+        mask = meta.decode_kv_mask.to(compute)
+        if not meta.prefills:  # a pure decode step: every row is a decode, in order
+            return decode_attention(q.to(compute), kd, vd, mask, scale).to(q.dtype)
         out[meta.decode_rows] = decode_attention(q[meta.decode_rows].to(compute), kd, vd,
-                                                 meta.decode_kv_mask.to(compute), scale)
+                                                 mask, scale)
     for span in meta.prefills:
         qp = q[span.start:span.end].transpose(0, 1).to(compute)  # [Hq, S, D]
         if span.num_context == 0:
