@@ -1,0 +1,1 @@
+"""Process groups for tensor / expert / data parallelism over torch.distributed."""

@@ -15,7 +15,9 @@ from ember.core.kv_cache_manager import KVCacheManager
 from ember.core.request import Lane, Request, RequestStatus
 from ember.core.sampling_params import SamplingParams
 from ember.core.scheduler import Scheduler
+from ember.engine.dp_scheduler import DataParallelKV, DataParallelScheduler
 from ember.executor.checkpoint import Checkpoint, open_checkpoint
+from ember.executor.executor import MultiprocExecutor
 from ember.executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
         self.checkpoint = checkpoint or open_checkpoint(config.model.model)
-        self.runner = ModelRunner(self.checkpoint, config)
+        # one process unless parallelism asks for workers (one per rank)
+        self.runner: ModelRunner | MultiprocExecutor = (
+            ModelRunner(self.checkpoint, config) if config.parallel.world_size == 1
+            else MultiprocExecutor(config))
         capacity = self.runner.num_kv_blocks * config.cache.block_size
         model_len = int(self.checkpoint.text_config.get("max_position_embeddings") or capacity)
         if config.model.max_model_len is not None:
@@ -67,9 +72,16 @@ class EngineCore:
             self.max_model_len = config.model.max_model_len
         else:
             self.max_model_len = min(model_len, capacity)
-        self.kv = KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        kvs = [KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size,
+                              config.cache.enable_prefix_caching)
+               for _ in range(config.parallel.data_parallel_size)]
+        if len(kvs) == 1:
+            self.kv: KVCacheManager | DataParallelKV = kvs[0]
+            self.scheduler: Scheduler | DataParallelScheduler = Scheduler(config.scheduler,
+                                                                          kvs[0])
+        else:  # a scheduler and KV cache per data-parallel group
+            self.kv = DataParallelKV(kvs)
+            self.scheduler = DataParallelScheduler(config.scheduler, kvs)
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.num_steps = 0
         self.step_time_s = 0.0
@@ -119,6 +131,11 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (requests still open are dropped)."""
+        if isinstance(self.runner, MultiprocExecutor):
+            self.runner.shutdown()
 
     def stats(self) -> EngineStats:
         sched = self.scheduler

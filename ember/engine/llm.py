@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ember.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ember.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from ember.core.request import Lane
 from ember.core.sampling_params import SamplingParams
 from ember.engine.engine_core import EngineCore, EngineStats
@@ -22,7 +22,12 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
                  num_kv_blocks: int | None = None, kv_cache_memory_gb: float = 2.0,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 max_model_len: int | None = None, seed: int = 0, device: str = "cpu") -> None:
+                 max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
+                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+                 data_parallel_size: int = 1, enable_eplb: bool = False,
+                 eplb_interval_steps: int = 32,
+                 eplb_num_redundant_experts: int | None = None,
+                 worker_launcher: str = "spawn", worker_listen: str | None = None) -> None:
         self.config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                               device=device, seed=seed),
@@ -32,11 +37,23 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    expert_parallel_size=expert_parallel_size,
+                                    data_parallel_size=data_parallel_size,
+                                    enable_eplb=enable_eplb,
+                                    eplb_interval_steps=eplb_interval_steps,
+                                    eplb_num_redundant_experts=eplb_num_redundant_experts,
+                                    worker_launcher=worker_launcher,
+                                    worker_listen=worker_listen),
         )
         self.engine = EngineCore(self.config)
         self.tokenizer: Tokenizer = load_tokenizer(self.engine.checkpoint)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (a no-op in one process)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -3,6 +3,10 @@
 The runner owns the model weights, the paged KV cache tensors (one per layer, slot-indexed)
 and per-request sampling state (seeded generators). It knows nothing of queues or HTTP: the
 scheduler's output is its only input.
+
+Under parallelism each rank's worker holds a runner over its shard of the model (built with
+the rank's ParallelContext); every rank runs the forward pass, and only the first rank of each
+tensor-parallel group (the driver) receives the logits and samples.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import torch
 
 from ember.config import EngineConfig
 from ember.core.scheduler import ScheduledRequest, SchedulerOutput
+from ember.distributed.parallel_state import ParallelContext
 from ember.executor.checkpoint import Checkpoint
 from ember.executor.structured_output import StructuredOutputManager
+from ember.executor.weight_slices import ReadCounter, weight_sources
 from ember.layers.attention import AttentionMetadata, PrefillSpan, attention_dtype
+from ember.layers.expert_parallel import ExpertParallelMoeBlock
 from ember.layers.sampler import SamplerOutput, SamplingRow, sample
+from ember.models.moe_base import MoEForCausalLM
 from ember.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -32,14 +40,23 @@ class StepResult:
     logprobs: dict[str, tuple[float, dict[int, float]]]
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+               parallel: ParallelContext | None = None,
+               read_counter: ReadCounter | None = None) -> torch.nn.Module:
+    """Build the model and load its weights; with a ParallelContext, only this rank's shard,
+    read from lazy checkpoint slices."""
     cls = model_class(checkpoint.hf_config)
     with torch.device("meta"):
-        model = cls.from_hf_config(checkpoint.hf_config)
+        if parallel is None:
+            model = cls.from_hf_config(checkpoint.hf_config)
+        else:
+            model = cls.from_hf_config(checkpoint.hf_config, parallel)
     model = model.to_empty(device=device).to(dtype)
     # tensors go in as stored: parameters cast on copy, and ones kept in fp32 (MoE routers)
     # keep the checkpoint's precision
-    loaded = model.load_weights(checkpoint.tensors())
+    tensors = (checkpoint.tensors() if parallel is None
+               else weight_sources(checkpoint, read_counter))
+    loaded = model.load_weights(tensors)
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"model: checkpoint {checkpoint.path} lacks {len(missing)} tensors, "
@@ -48,13 +65,18 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device)
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig,
+                 parallel: ParallelContext | None = None,
+                 device: torch.device | None = None) -> None:
         self.config = config
         self.checkpoint = checkpoint
-        self.device = torch.device(config.model.device)
+        self.parallel = parallel
+        self.is_driver = parallel is None or parallel.layout.is_driver
+        self.device = device or torch.device(config.model.device)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
-        self.model = load_model(checkpoint, self.dtype, self.device)
+        self.bytes_read = ReadCounter()
+        self.model = load_model(checkpoint, self.dtype, self.device, parallel, self.bytes_read)
         self.kv_dtype = attention_dtype(self.dtype, self.device)
         per_token = math.prod(self.model.kv_cache_shape(1)) * self.model.num_kv_layers
         self.kv_bytes_per_token = per_token * self.kv_dtype.itemsize
@@ -137,13 +159,33 @@ class ModelRunner:
             self.structured_output = StructuredOutputManager(tokenizer.hf, vocab_size, eos)
         return self.structured_output
 
+    @property
+    def has_moe(self) -> bool:
+        return isinstance(self.model, MoEForCausalLM) and bool(self.model.moe_blocks())
+
+    def ep_blocks(self) -> dict[int, ExpertParallelMoeBlock]:
+        """Expert-parallel MoE blocks by layer index (none in one process)."""
+        if not isinstance(self.model, MoEForCausalLM):
+            return {}
+        return {i: b for i, b in self.model.moe_blocks().items()
+                if isinstance(b, ExpertParallelMoeBlock)}
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameters this process holds (its shard under parallelism)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, lockstep: bool = False) -> StepResult:
+        """Run one step. `lockstep`: run the model even on an empty batch, because MoE layers
+        exchange tokens with other data-parallel groups that do have work."""
         for rid in out.finished_request_ids:
             self._generators.pop(rid, None)
         if self.structured_output is not None:
             self.structured_output.free(out.finished_request_ids)
         if out.is_empty:
+            if lockstep:
+                self._run_empty()
             return StepResult({}, {})
         scheduled = out.scheduled
         input_ids = torch.tensor([t for sr in scheduled for t in sr.token_ids], dtype=torch.long)
@@ -164,6 +206,8 @@ class ModelRunner:
         if not sample_reqs:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if not self.is_driver:
+            return StepResult({}, {})
         constrained = [(i, sr.request_id, sr.sampling_params.structured_output)
                        for i, sr in enumerate(sample_reqs)
                        if sr.sampling_params.structured_output is not None]
@@ -180,3 +224,12 @@ class ModelRunner:
         logprobs = {sr.request_id: lp for sr, lp in zip(sample_reqs, result.logprobs,
                                                         strict=True) if lp is not None}
         return StepResult(sampled, logprobs)
+
+    def _run_empty(self) -> None:
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=empty, decode_rows=empty,
+            decode_kv_slots=torch.zeros(0, 1, dtype=torch.long, device=self.device),
+            decode_kv_mask=torch.zeros(0, 1, 1, 1, dtype=self.kv_dtype, device=self.device),
+            prefills=[])
+        self.model(empty, empty, self.kv_caches, meta)

@@ -10,6 +10,10 @@ W_UK [H, nope, r] and W_UV [H, v, r].
   W_UV maps the attended latent to each head's value. Reads stay at the latent's size.
 - Prefill chunks up-project their whole context to per-head K and V and run causal SDPA;
   with many queries this costs fewer FLOPs than absorption.
+
+Under tensor parallelism the heads are split (q_proj / q_b_proj / kv_b_proj column-parallel,
+o_proj row-parallel); the latent projections are replicated, so every rank caches the same
+latent.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.comm import GroupComm
 from ember.layers.attention import AttentionMetadata, causal_mask, gather_slots, write_slots
+from ember.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ember.layers.norms import RMSNorm
 from ember.layers.rotary import RotaryEmbedding
 
@@ -40,9 +46,8 @@ class MLAttention(nn.Module):
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, rotary: RotaryEmbedding, scale: float,
                  rope_interleave: bool = True, attention_bias: bool = False,
-                 rms_norm_eps: float = 1e-6) -> None:
+                 rms_norm_eps: float = 1e-6, tp: GroupComm | None = None) -> None:
         super().__init__()
-        self.num_heads = num_heads
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -52,19 +57,25 @@ class MLAttention(nn.Module):
         self.rope_interleave = rope_interleave
         self.scale = scale
         q_out = num_heads * self.qk_head_dim
+        if tp is not None and num_heads % tp.size:
+            raise ValueError(f"tensor_parallel_size: {tp.size} ranks cannot split "
+                             f"{num_heads} attention heads evenly")
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, q_out, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden_size, q_out, group=tp)
         else:
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, rms_norm_eps)
-            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_out, group=tp)
         self.q_lora_rank = q_lora_rank
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim,
                                             bias=attention_bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, rms_norm_eps)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank,
+                                              num_heads * (qk_nope_head_dim + v_head_dim),
+                                              group=tp)
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size,
+                                        bias=attention_bias, group=tp)
+        self.num_heads = self.kv_b_proj.out_features // (qk_nope_head_dim + v_head_dim)
 
     def _rope(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         if self.rope_interleave:

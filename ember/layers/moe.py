@@ -24,6 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.comm import GroupComm
+from ember.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    WeightSource,
+    copy_weight,
+)
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -176,20 +184,28 @@ class FusedExperts(nn.Module):
                 use_grouped_mm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], weights/ids [T, k] -> (out [T, H], tokens per expert [E])."""
         t, k = ids.shape
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        rows = torch.arange(t * k, device=ids.device) // k
+        y, counts = self.expert_outputs(x, rows, ids.flatten(), use_grouped_mm)
+        out = torch.bmm(weights.to(x.dtype).unsqueeze(1), y.view(t, k, -1)).squeeze(1)
+        return out, counts
+
+    def expert_outputs(self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
+                       use_grouped_mm: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pair i is (token x[rows[i]], expert experts[i]) -> (each pair's unweighted expert
+        output [P, H], pairs per expert [E])."""
+        order = experts.argsort(stable=True)
+        counts = torch.bincount(experts, minlength=self.num_experts)
         if use_grouped_mm is None:
-            use_grouped_mm = self.prefers_grouped_mm(x, t * k)
+            use_grouped_mm = self.prefers_grouped_mm(x, experts.numel())
         host_counts = None if use_grouped_mm else counts.tolist()
         offsets = counts.cumsum(0).to(torch.int32)
-        xs = x[order // k]
+        xs = x[rows[order]]
         gate, up = grouped_linear(xs, self.gate_up_proj, offsets, host_counts).chunk(2, dim=-1)
         ys = grouped_linear(F.silu(gate) * up, self.down_proj, offsets, host_counts)
         y = torch.empty_like(ys)
         y[order] = ys
-        out = torch.bmm(weights.to(x.dtype).unsqueeze(1), y.view(t, k, -1)).squeeze(1)
-        return out, counts
+        return y, counts
 
     def prefers_grouped_mm(self, x: torch.Tensor, pairs: int) -> bool:
         """CUDA: grouped GEMM for bf16 (its kernel's dtype). CPU: torch's grouped GEMM pays for
@@ -200,42 +216,47 @@ class FusedExperts(nn.Module):
             return x.dtype == torch.bfloat16
         return x.device.type == "cpu" and 4 * pairs >= self.num_experts
 
-    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint matrix (`experts.{expert}.{proj}.weight`) into the stack."""
+    def load_expert(self, expert: int, proj: str, tensor: WeightSource) -> None:
+        """Copy one checkpoint matrix (`experts.{expert}.{proj}.weight`) into stack slot
+        `expert`."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert index {expert} out of range 0..{self.num_experts - 1}")
         i = self.intermediate_size
         target = {"gate_proj": self.gate_up_proj[expert, :i],
                   "up_proj": self.gate_up_proj[expert, i:],
                   "down_proj": self.down_proj[expert]}[proj]
-        copy_checkpoint_tensor(target, tensor, f"experts.{expert}.{proj}.weight")
+        copy_weight(target, tensor, f"experts.{expert}.{proj}.weight")
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up stacked in one matrix (dense layers and shared experts)."""
+    """SwiGLU MLP with gate and up stacked in one matrix (dense layers and shared experts),
+    tensor-parallel over `group` (the down projection's sum all-reduced unless
+    reduce_output=False)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, group: GroupComm | None = None,
+                 reduce_output: bool = True) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       group=group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group=group,
+                                           reduce_output=reduce_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def load(self, name: str, tensor: torch.Tensor) -> str:
-        """Copy checkpoint `gate_proj.weight`, `up_proj.weight` or `down_proj.weight`; returns
-        the parameter written."""
+    def load(self, name: str, tensor: WeightSource) -> str:
+        """Copy checkpoint `gate_proj.weight`, `up_proj.weight` or `down_proj.weight` (this
+        rank's shard); returns the parameter written."""
         proj, _, leaf = name.partition(".")
         if proj not in EXPERT_PROJS or leaf != "weight":
             raise ValueError(f"checkpoint tensor 'mlp.{name}' has no place in a gated MLP")
-        i = self.intermediate_size
-        target = {"gate_proj": self.gate_up_proj.weight[:i],
-                  "up_proj": self.gate_up_proj.weight[i:],
-                  "down_proj": self.down_proj.weight}[proj]
-        copy_checkpoint_tensor(target, tensor, name)
-        return "down_proj.weight" if proj == "down_proj" else "gate_up_proj.weight"
+        if proj == "down_proj":
+            self.down_proj.load_weight(leaf, tensor)
+            return "down_proj.weight"
+        self.gate_up_proj.load_weight(leaf, tensor, 0 if proj == "gate_proj" else 1)
+        return "gate_up_proj.weight"
 
 
 class SparseMoeBlock(nn.Module):
@@ -245,14 +266,19 @@ class SparseMoeBlock(nn.Module):
     `reset_expert_counts()`; load balancing and metrics read it.
     """
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, experts: FusedExperts | None = None,
+                 shared_experts: GatedMLP | None = None) -> None:
+        """`experts` / `shared_experts`: sharded replacements (expert parallelism); by default
+        all experts, whole."""
         super().__init__()
         self.cfg = cfg
         self.gate = Router(cfg)
-        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size)
-        self.shared_experts = (GatedMLP(cfg.hidden_size,
-                                        cfg.intermediate_size * cfg.num_shared_experts)
-                               if cfg.num_shared_experts else None)
+        self.experts = experts or FusedExperts(cfg.num_experts, cfg.hidden_size,
+                                               cfg.intermediate_size)
+        if shared_experts is None and cfg.num_shared_experts:
+            shared_experts = GatedMLP(cfg.hidden_size,
+                                      cfg.intermediate_size * cfg.num_shared_experts)
+        self.shared_experts = shared_experts
         # A plain attribute, not a buffer: models are built on the meta device and then
         # materialised uninitialised, which a buffer's zeros would not survive.
         self.expert_counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device="cpu")
@@ -272,28 +298,30 @@ class SparseMoeBlock(nn.Module):
         # inference tensors, which cannot be updated in place outside it
         self.expert_counts = torch.zeros_like(self.expert_counts)
 
-    def load(self, name: str, tensor: torch.Tensor) -> str:
+    def load(self, name: str, tensor: WeightSource) -> str:
         """Copy a checkpoint tensor named relative to the block (`gate.weight`,
         `experts.3.up_proj.weight`, `experts.gate_up_proj`, `shared_experts.down_proj.weight`);
         returns the parameter written."""
         parts = name.split(".")
         has_bias = self.gate.e_score_correction_bias is not None
-        if (name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
-                or (name == "gate.e_score_correction_bias" and has_bias)):
-            copy_checkpoint_tensor(self.get_parameter(name), tensor, name)
+        if name == "gate.weight" or (name == "gate.e_score_correction_bias" and has_bias):
+            copy_weight(self.get_parameter(name), tensor, name)
+            return name
+        if name in ("experts.gate_up_proj", "experts.down_proj"):
+            self.load_stacked_experts(name.split(".")[1], tensor)
             return name
         if (len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit()
                 and parts[2] in EXPERT_PROJS and parts[3] == "weight"):
-            self.experts.load_expert(int(parts[1]), parts[2], tensor)
+            self.load_expert(int(parts[1]), parts[2], tensor)
             return "experts.down_proj" if parts[2] == "down_proj" else "experts.gate_up_proj"
         if parts[0] == "shared_experts" and self.shared_experts is not None:
             return "shared_experts." + self.shared_experts.load(".".join(parts[1:]), tensor)
         raise ValueError(f"checkpoint tensor 'mlp.{name}' has no place in a MoE block")
 
+    def load_expert(self, expert: int, proj: str, tensor: WeightSource) -> None:
+        """One expert's checkpoint matrix (`experts.{expert}.{proj}.weight`)."""
+        self.experts.load_expert(expert, proj, tensor)
 
-def copy_checkpoint_tensor(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                         f"expected {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)
+    def load_stacked_experts(self, param: str, tensor: WeightSource) -> None:
+        """All experts' `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I] in one tensor."""
+        copy_weight(self.experts.get_parameter(param), tensor, f"experts.{param}")

@@ -111,7 +111,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[2, T, 1, rotary_dim] cos and sin for the given positions."""
-        table = self._table(int(positions.max()) + 1, positions.device)
+        table = self._table(int(positions.max()) + 1 if positions.numel() else 1,
+                            positions.device)
         return table[:, positions].unsqueeze(2).to(dtype)
 
     @staticmethod

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember.distributed.parallel_state import ParallelContext
+from ember.layers.expert_parallel import make_moe_block
 from ember.layers.mla import MLAttention
-from ember.layers.moe import GatedMLP, MoEConfig, SparseMoeBlock
+from ember.layers.moe import GatedMLP, MoEConfig
 from ember.layers.rotary import RotaryEmbedding, yarn_mscale
 from ember.models.moe_base import DecoderLayer, MoEForCausalLM, rope_from_hf, text_config
 
@@ -85,7 +87,8 @@ class DeepseekV3Args:
 
 
 class DeepseekV3ForCausalLM(MoEForCausalLM):
-    def __init__(self, args: DeepseekV3Args) -> None:
+    def __init__(self, args: DeepseekV3Args, parallel: ParallelContext | None = None) -> None:
+        tp = parallel.tp if parallel is not None else None
         rotary = RotaryEmbedding(args.qk_rope_head_dim, args.max_position_embeddings,
                                  args.rope_theta, args.rope_scaling)
         layers = []
@@ -95,17 +98,18 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                                args.v_head_dim, rotary, args.softmax_scale,
                                rope_interleave=args.rope_interleave,
                                attention_bias=args.attention_bias,
-                               rms_norm_eps=args.rms_norm_eps)
-            mlp = (SparseMoeBlock(args.moe) if args.is_moe_layer(i)
-                   else GatedMLP(args.hidden_size, args.intermediate_size))
+                               rms_norm_eps=args.rms_norm_eps, tp=tp)
+            mlp = (make_moe_block(args.moe, parallel) if args.is_moe_layer(i)
+                   else GatedMLP(args.hidden_size, args.intermediate_size, group=tp))
             layers.append(DecoderLayer(attn, mlp, args.hidden_size, args.rms_norm_eps))
         super().__init__(args.vocab_size, args.hidden_size, args.rms_norm_eps,
-                         args.tie_word_embeddings, rotary, layers)
+                         args.tie_word_embeddings, rotary, layers, parallel)
         self.args = args
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> DeepseekV3ForCausalLM:
-        return cls(DeepseekV3Args.from_hf(cfg))
+    def from_hf_config(cls, cfg: dict[str, Any],
+                       parallel: ParallelContext | None = None) -> DeepseekV3ForCausalLM:
+        return cls(DeepseekV3Args.from_hf(cfg), parallel)
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """One latent row per slot: kv_lora_rank + qk_rope_head_dim values."""

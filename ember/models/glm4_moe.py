@@ -11,10 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from ember.layers.moe import GatedMLP, MoEConfig, SparseMoeBlock, copy_checkpoint_tensor
+from ember.distributed.parallel_state import ParallelContext
+from ember.layers.expert_parallel import make_moe_block
+from ember.layers.linear import WeightSource
+from ember.layers.moe import GatedMLP, MoEConfig
 from ember.layers.rotary import RotaryEmbedding
 from ember.models.llama import LlamaArgs, LlamaAttention
 from ember.models.moe_base import DecoderLayer, MoEForCausalLM, text_config
@@ -44,35 +46,33 @@ class Glm4MoeArgs:
 class Glm4MoeForCausalLM(MoEForCausalLM):
     args_class: type = Glm4MoeArgs
 
-    def __init__(self, args: Glm4MoeArgs) -> None:
+    def __init__(self, args: Glm4MoeArgs, parallel: ParallelContext | None = None) -> None:
         a = args.attn
+        tp = parallel.tp if parallel is not None else None
         rotary = RotaryEmbedding(int(a.head_dim * a.partial_rotary_factor),
                                  a.max_position_embeddings, a.rope_theta, a.rope_scaling)
         layers = []
         for i in range(a.num_hidden_layers):
-            mlp = (SparseMoeBlock(args.moe) if args.is_moe_layer(i)
-                   else GatedMLP(a.hidden_size, a.intermediate_size))
-            layers.append(DecoderLayer(LlamaAttention(a, rotary), mlp, a.hidden_size,
+            mlp = (make_moe_block(args.moe, parallel) if args.is_moe_layer(i)
+                   else GatedMLP(a.hidden_size, a.intermediate_size, group=tp))
+            layers.append(DecoderLayer(LlamaAttention(a, rotary, tp), mlp, a.hidden_size,
                                        a.rms_norm_eps))
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, a.tie_word_embeddings,
-                         rotary, layers)
+                         rotary, layers, parallel)
         self.args = args
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> Glm4MoeForCausalLM:
-        return cls(cls.args_class.from_hf(cfg))
+    def from_hf_config(cls, cfg: dict[str, Any],
+                       parallel: ParallelContext | None = None) -> Glm4MoeForCausalLM:
+        return cls(cls.args_class.from_hf(cfg), parallel)
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
-        """K and V, head-major, as Llama's paged attention keeps them."""
-        a = self.args.attn
-        return (2, a.num_key_value_heads, num_slots, a.head_dim)
+        """K and V (this rank's KV heads), head-major, as Llama's paged attention keeps them."""
+        return (2, self.layers[0].self_attn.num_kv_heads, num_slots, self.args.attn.head_dim)
 
-    def _load_attention(self, attn: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
+    def _load_attention(self, attn: nn.Module, name: str, tensor: WeightSource) -> str | None:
         proj, _, leaf = name.partition(".")
         if proj not in ("q_proj", "k_proj", "v_proj"):
             return None
-        q, kv = attn.q_size, attn.kv_size
-        start, size = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}[proj]
-        target = f"qkv_proj.{leaf}"
-        copy_checkpoint_tensor(attn.get_parameter(target).narrow(0, start, size), tensor, name)
-        return target
+        attn.qkv_proj.load_weight(leaf, tensor, proj[0])
+        return f"qkv_proj.{leaf}"

@@ -3,6 +3,10 @@
 Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections
 are stacked into one matrix each (one GEMM instead of three or two); `load_weights` fills
 the stacked matrices from the separate checkpoint tensors.
+
+Under tensor parallelism (a `ParallelContext` with a tensor-parallel group of several ranks)
+the projections are column/row-parallel, attention heads and the vocabulary are split, and
+each rank loads only its shard; with one rank the layers are plain linear layers.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.comm import GroupComm
+from ember.distributed.parallel_state import ParallelContext
 from ember.layers.attention import AttentionMetadata, paged_attention
+from ember.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightSource,
+    load_into,
+)
 from ember.layers.norms import RMSNorm
 from ember.layers.rotary import RotaryEmbedding
 
@@ -67,16 +82,18 @@ class LlamaArgs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding,
+                 tp: GroupComm | None = None) -> None:
         super().__init__()
-        self.num_heads = args.num_attention_heads
-        self.num_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias)
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim,
+                                          args.num_attention_heads, args.num_key_value_heads,
+                                          bias=args.attention_bias, group=tp)
+        # this rank's heads (all of them on one rank)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(args.num_attention_heads * args.head_dim,
+                                        args.hidden_size, bias=args.o_proj_bias, group=tp)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary = rotary
@@ -98,11 +115,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 tp: GroupComm | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       group=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -110,10 +129,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding,
+                 tp: GroupComm | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args, rotary)
-        self.mlp = LlamaMLP(args.hidden_size, args.intermediate_size)
+        self.self_attn = LlamaAttention(args, rotary, tp)
+        self.mlp = LlamaMLP(args.hidden_size, args.intermediate_size, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -124,26 +144,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.args = args
+        tp = parallel.tp if parallel is not None else None
         rotary_dim = int(args.head_dim * args.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, args.max_position_embeddings, args.rope_theta,
                                       args.rope_scaling)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.rotary)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.rotary, tp)
                                     for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = (None if args.tie_word_embeddings
-                        else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+                        else ParallelLMHead(args.vocab_size, args.hidden_size, tp))
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaForCausalLM:
-        return cls(LlamaArgs.from_hf(cfg))
+    def from_hf_config(cls, cfg: dict[str, Any],
+                       parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+        return cls(LlamaArgs.from_hf(cfg), parallel)
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
-        """Shape of one layer's cache: K and V, head-major so a gather yields [H, L, D]."""
-        return (2, self.args.num_key_value_heads, num_slots, self.args.head_dim)
+        """Shape of one layer's cache (this rank's KV heads): K and V, head-major so a gather
+        yields [H, L, D]."""
+        return (2, self.layers[0].self_attn.num_kv_heads, num_slots, self.args.head_dim)
 
     @property
     def num_kv_layers(self) -> int:
@@ -157,15 +180,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits; under tensor parallelism only the group's first rank gets them."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into parameters; returns the names loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into parameters, each rank its shard; returns
+        the names loaded."""
         params = dict(self.named_parameters())
-        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
-                   "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
+        stacked = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                   "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                    "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -178,28 +203,10 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in stacked:
                 fused, shard = stacked[parts[-2]]
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
-            param = params.get(target)
-            if param is None:
+            if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            with torch.no_grad():
-                if shard is None:
-                    _copy(param, tensor, name)
-                else:
-                    _copy(param.narrow(0, *self._shard_range(parts[-2], shard)), tensor, name)
+            module_name, _, leaf = target.rpartition(".")
+            load_into(self.get_submodule(module_name), leaf, tensor, name, shard)
             loaded.add(target)
         return loaded
-
-    def _shard_range(self, proj: str, shard: int) -> tuple[int, int]:
-        a = self.args
-        if proj in ("gate_proj", "up_proj"):
-            return shard * a.intermediate_size, a.intermediate_size
-        q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-        return [(0, q), (q, kv), (q + kv, kv)][shard]
-
-
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                         f"expected {tuple(param.shape)}")
-    param.copy_(tensor)

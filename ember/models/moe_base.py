@@ -3,6 +3,10 @@
 Each family differs only in its attention module, its KV cache layout and which layers are
 sparse; embedding, pre-norm residual blocks, the final norm, the LM head and checkpoint-name
 handling (multimodal prefixes, multi-token-prediction layers, tied embeddings) live here.
+
+Under parallelism (a ParallelContext) the embedding and LM head are vocabulary-parallel over
+the tensor-parallel group, attention and dense MLPs tensor-parallel, and MoE blocks expert-
+parallel over every rank (layers/expert_parallel.py); each rank loads only its shard.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.parallel_state import ParallelContext
 from ember.layers.attention import AttentionMetadata
-from ember.layers.moe import SparseMoeBlock, copy_checkpoint_tensor
+from ember.layers.linear import ParallelLMHead, VocabParallelEmbedding, WeightSource, load_into
+from ember.layers.moe import SparseMoeBlock
 from ember.layers.norms import RMSNorm
 from ember.layers.rotary import RotaryEmbedding
 
@@ -63,14 +68,15 @@ class MoEForCausalLM(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, rms_norm_eps: float,
                  tie_word_embeddings: bool, rotary: RotaryEmbedding,
-                 layers: list[DecoderLayer]) -> None:
+                 layers: list[DecoderLayer], parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        tp = parallel.tp if parallel is not None else None
         self.rotary = rotary
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         self.lm_head = (None if tie_word_embeddings
-                        else nn.Linear(hidden_size, vocab_size, bias=False))
+                        else ParallelLMHead(vocab_size, hidden_size, tp))
 
     @property
     def num_kv_layers(self) -> int:
@@ -87,19 +93,20 @@ class MoEForCausalLM(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits; under tensor parallelism only the group's first rank gets them."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
         """Sparse layers by index; each keeps its per-expert token counts (`expert_counts`)."""
         return {i: layer.mlp for i, layer in enumerate(self.layers)
                 if isinstance(layer.mlp, SparseMoeBlock)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into parameters; returns the parameter names
-        written. Multi-token-prediction layers (index >= num layers) and vision-tower weights
-        are skipped with one log line each."""
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into parameters, each rank its shard; returns the
+        parameter names written. Multi-token-prediction layers (index >= num layers) and
+        vision-tower weights are skipped with one log line each."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         skipped: dict[str, set[str]] = {"multi-token-prediction": set(), "non-text": set()}
@@ -132,7 +139,8 @@ class MoEForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in "
                                  f"{type(self).__name__}")
-            copy_checkpoint_tensor(params[name], tensor, hf_name)
+            module_name, _, leaf = name.rpartition(".")
+            load_into(self.get_submodule(module_name), leaf, tensor, hf_name)
             loaded.add(name)
         for what, items in skipped.items():
             if items:
@@ -140,7 +148,7 @@ class MoEForCausalLM(nn.Module):
                             ", ".join(sorted(items)), type(self).__name__)
         return loaded
 
-    def _load_attention(self, attn: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
+    def _load_attention(self, attn: nn.Module, name: str, tensor: WeightSource) -> str | None:
         """Load a tensor that does not map 1:1 onto a parameter of `attn`; returns the
         parameter name written, or None to copy it by name."""
         return None

@@ -10,7 +10,14 @@ import signal
 import sys
 
 from ember.batch import flags as batch_flags
-from ember.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ember.config import (
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from ember.server.config import LOG_LEVELS, ServerConfig
 
 
@@ -66,6 +73,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--no-chunked-prefill", action="store_true")
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-parallel-size", type=int, default=1,
+                          help="ranks that split each attention and dense layer")
+    parallel.add_argument("--expert-parallel-size", type=int, default=1,
+                          help="ranks that split the routed experts (divides tp x dp)")
+    parallel.add_argument("--data-parallel-size", type=int, default=1,
+                          help="groups of tp ranks, each running its own batch")
+    parallel.add_argument("--eplb", action="store_true",
+                          help="rebalance experts over EP ranks from observed load")
+    parallel.add_argument("--eplb-interval-steps", type=int,
+                          default=ParallelConfig.eplb_interval_steps, metavar="N",
+                          help="steps between expert-load gathers (and rebalances)")
+    parallel.add_argument("--eplb-num-redundant-experts", type=int, default=None, metavar="N",
+                          help="extra expert slots for hot-expert copies (default: one per EP "
+                               "rank)")
+    parallel.add_argument("--worker-launcher", choices=("spawn", "external"), default="spawn",
+                          help="spawn the rank workers here, or accept workers a launcher "
+                               "(torchrun) starts with `python -m ember.executor.worker`")
+    parallel.add_argument("--worker-listen", default=None, metavar="HOST:PORT",
+                          help="where external workers connect (EMBER_WORKER_AUTHKEY on both "
+                               "sides)")
 
 
 def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
@@ -77,7 +105,15 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
-                                  enable_chunked_prefill=not args.no_chunked_prefill))
+                                  enable_chunked_prefill=not args.no_chunked_prefill),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                expert_parallel_size=args.expert_parallel_size,
+                                data_parallel_size=args.data_parallel_size,
+                                enable_eplb=args.eplb,
+                                eplb_interval_steps=args.eplb_interval_steps,
+                                eplb_num_redundant_experts=args.eplb_num_redundant_experts,
+                                worker_launcher=args.worker_launcher,
+                                worker_listen=args.worker_listen))
     server = ServerConfig(
         host=args.host, port=args.port, served_model_names=list(args.served_model_name),
         api_keys=list(args.api_key), api_keys_file=args.api_keys_file,
