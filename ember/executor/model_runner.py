@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember import envs
 from ember.config import EngineConfig
 from ember.core.scheduler import ScheduledRequest, SchedulerOutput
 from ember.distributed.parallel_state import ParallelContext
@@ -71,6 +72,8 @@ class ModelRunner:
         self.config = config
         self.checkpoint = checkpoint
         self.parallel = parallel
+        if envs.num_threads():
+            torch.set_num_threads(envs.num_threads())
         self.is_driver = parallel is None or parallel.layout.is_driver
         self.device = device or torch.device(config.model.device)
         self.dtype = TORCH_DTYPES[config.model.dtype]
