@@ -11,7 +11,8 @@ Each of --rounds rounds runs, one after another (so the machine's noise spreads 
   idle      --batch-items requests of the batch items' shape sent directly (non-streaming
             chat, --batch-concurrency at a time): the engine's idle output throughput;
   batch     as many items through /v1/files + /v1/batches, from upload to `completed`.
-TTFT and ITL percentiles are over the requests of all rounds pooled.
+TTFT and ITL percentiles are over the requests of the rounds pooled, leaving out rounds in
+which other processes on the machine took a share of the CPU (see --max-foreign).
 
 Prompts are stdlib excerpts as `ember bench` cuts them; every answer is max_tokens long
 (ignore_eos). The machine is shared and noisy: read the ratios.
@@ -268,8 +269,8 @@ def main() -> int:
     parser.add_argument("--control", action="store_true",
                         help="also measure the background load sent as interactive requests")
     parser.add_argument("--max-foreign", type=float, default=0.1,
-                        help="leave out rounds where other processes used more than this share "
-                             "of the machine's CPU in any phase")
+                        help="a comparison leaves out the rounds where other processes used "
+                             "more than this share of the CPU in one of its phases")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="passed on to `ember serve`; repeatable (--server-arg=--dtype ...)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -308,37 +309,43 @@ def main() -> int:
 
 
 def report(r: dict[str, Any], max_foreign: float) -> None:
-    clean = [x for x in r["rounds"] if max(x["foreign_cpu"].values()) <= max_foreign]
-    print(f"{len(clean)} of {len(r['rounds'])} rounds ran with other processes under "
-          f"{max_foreign:.0%} of the CPU in every phase; figures from those")
-    if not clean:
-        return
-    names = [("interactive alone", "alone"), ("interactive + batch job", "together")]
-    if "control" in clean[0]:
-        names.append(("interactive + same load, no lane", "control"))
-    print(f"{'seconds, pooled over rounds':34} {'TTFT p50':>8} {'p90':>6} {'p99':>6} "
+    """Each comparison pools the rounds where none of its phases shared the machine."""
+
+    def clean(*phases: str) -> list[dict[str, Any]]:
+        return [x for x in r["rounds"]
+                if all(p in x and x["foreign_cpu"][p] <= max_foreign for p in phases)]
+
+    print(f"rounds: {len(r['rounds'])}; a comparison uses those where other processes took at "
+          f"most {max_foreign:.0%} of the CPU in each of its phases")
+    print(f"{'seconds, pooled':34} {'rounds':>6} {'TTFT p50':>8} {'p90':>6} {'p99':>6} "
           f"{'max':>6} {'ITL p50':>8} {'p99':>6}")
-    ttft, itl = {}, {}
-    for label, key in names:
-        runs = [x[key] for x in clean]
-        t, i = ttft[label], itl[label] = pooled(runs, "ttft_s"), pooled(runs, "itl_s")
-        print(f"{label:34} {t['p50']:8.3f} {t['p90']:6.3f} {t['p99']:6.3f} {t['max']:6.3f} "
-              f"{i['p50']:8.4f} {i['p99']:6.3f}")
-    base = "interactive alone"
-    for label, _ in names[1:]:
-        print(f"ratio to alone, {label}: TTFT p50 {ttft[label]['p50'] / ttft[base]['p50']:.2f},"
-              f" p99 {ttft[label]['p99'] / ttft[base]['p99']:.2f}; ITL p50 "
-              f"{itl[label]['p50'] / itl[base]['p50']:.2f}, p99 "
-              f"{itl[label]['p99'] / itl[base]['p99']:.2f}")
-    for name in ("idle", "batch"):
-        figures = ", ".join(f"{x[name]['output_tokens_per_s']:.1f}" for x in clean)
-        print(f"{name} output tok/s by round: {figures}")
+    for other, label in (("together", "interactive + batch job"),
+                         ("control", "interactive + same load, no lane")):
+        rounds = clean("alone", other)
+        if not rounds:
+            print(f"{label}: no clean round")
+            continue
+        for key, name in (("alone", "interactive alone"), (other, label)):
+            t, i = pooled([x[key] for x in rounds], "ttft_s"), pooled([x[key] for x in rounds],
+                                                                     "itl_s")
+            print(f"{name:34} {len(rounds):6d} {t['p50']:8.3f} {t['p90']:6.3f} {t['p99']:6.3f} "
+                  f"{t['max']:6.3f} {i['p50']:8.4f} {i['p99']:6.3f}")
+        base = pooled([x["alone"] for x in rounds], "ttft_s")
+        mine = pooled([x[other] for x in rounds], "ttft_s")
+        print(f"  TTFT ratio to alone: p50 {mine['p50'] / base['p50']:.2f}, "
+              f"p99 {mine['p99'] / base['p99']:.2f}")
+    rounds = clean("idle", "batch")
+    if not rounds:
+        print("throughput: no clean round")
+        return
     ratios = sorted(x["batch"]["output_tokens_per_s"] / x["idle"]["output_tokens_per_s"]
-                    for x in clean)
-    print("batch / idle throughput by round: " + ", ".join(f"{x:.2f}" for x in ratios)
-          + f" (median {ratios[len(ratios) // 2]:.2f})")
+                    for x in rounds)
+    print("output tok/s, idle / batch job by round: " + ", ".join(
+        f"{x['idle']['output_tokens_per_s']:.1f} / {x['batch']['output_tokens_per_s']:.1f}"
+        for x in rounds) + "; batch / idle median " + f"{ratios[len(ratios) // 2]:.2f}")
+    during = clean("together")
     print("batch job output tok/s while the interactive load ran: "
-          + ", ".join(f"{x['during']:.1f}" for x in clean))
+          + ", ".join(f"{x['during']:.1f}" for x in during))
 
 
 if __name__ == "__main__":
