@@ -56,10 +56,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    # tokens the batch lane may compute per step: an interactive request arriving mid-step
+    # waits for the step, so batch prefill chunks are kept short
+    max_batch_lane_tokens: int = 256
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_batch_lane_tokens >= 1, "max_batch_lane_tokens",
+                 f"must be >= 1, got {self.max_batch_lane_tokens}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
 
 

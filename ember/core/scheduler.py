@@ -3,8 +3,11 @@
 One rule covers every phase: each running request's num_computed_tokens catches up with its
 num_tokens, under a per-step token budget. A fresh prompt is a long catch-up (chunked when it
 exceeds the budget), a prefix hit starts the count above zero, a decode is a catch-up of one.
-Requests are ordered by lane (interactive before batch), priority and arrival; when KV blocks
-run out the last of that order is preempted and later recomputed.
+Requests are ordered by lane (interactive before batch), priority and arrival. Each lane's
+running requests, then its waiting ones, take the budget before the next lane's, so a waiting
+interactive request goes ahead of batch work already running; the batch lane also has its own
+per-step cap. When KV blocks (or sequence slots) run out the last of that order is preempted
+and later recomputed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ember.config import SchedulerConfig
 from ember.core.kv_cache_manager import KVCacheManager
-from ember.core.request import Request, RequestStatus
+from ember.core.request import Lane, Request, RequestStatus
 from ember.core.sampling_params import SamplingParams
 
 
@@ -83,49 +86,17 @@ class Scheduler:
         self._finished_since_last_step = set()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.sort_key)
-        preempted = False
         scheduled: list[tuple[Request, int]] = []
-
-        idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
-                idx += 1
-                continue
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_request_ids.append(victim.request_id)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                scheduled.append((req, n))
-                budget -= n
-                idx += 1
-
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            computed_blocks, num_hit = [], 0
-            if req.num_computed_tokens == 0:
-                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-            remaining = req.num_tokens - num_hit
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
-                break
-            if not self.kv.allocate_slots(req, n, computed_blocks):
-                break
-            self.waiting.pop(0)
-            if req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append((req, n))
-            budget -= n
-
+        preempted = False
+        for lane in Lane:
+            lane_budget = budget if lane == Lane.INTERACTIVE else min(
+                budget, self.config.max_batch_lane_tokens)
+            left, preempted_now = self._schedule_running(lane, lane_budget, scheduled, out)
+            preempted = preempted or preempted_now
+            if not preempted:
+                left = self._admit_waiting(lane, left, scheduled, out)
+                self.running.sort(key=lambda r: r.sort_key)  # admitted ones join their lane
+            budget -= lane_budget - left
         for req, n in scheduled:
             start = req.num_computed_tokens
             params = req.sampling_params
@@ -141,6 +112,78 @@ class Scheduler:
                 output_token_ids=list(req.output_token_ids) if with_history else [],
             ))
         return out
+
+    def _schedule_running(self, lane: Lane, budget: int, scheduled: list[tuple[Request, int]],
+                          out: SchedulerOutput) -> tuple[int, bool]:
+        """Give the lane's running requests their catch-up tokens; returns the budget left and
+        whether anything was preempted. Victims come from the end of the running order (the
+        batch lane first), never from requests already scheduled this step."""
+        preempted = False
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.lane != lane or n <= 0:
+                idx += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                idx += 1
+        return budget, preempted
+
+    def _admit_waiting(self, lane: Lane, budget: int, scheduled: list[tuple[Request, int]],
+                       out: SchedulerOutput) -> int:
+        """Move the lane's waiting requests to running while budget, blocks and sequence slots
+        last; an interactive request may preempt running batch work for blocks or slots."""
+        just_preempted = set(out.preempted_request_ids)  # not back in the same step
+        while budget > 0:
+            req = next((r for r in self.waiting
+                        if r.lane == lane and r.request_id not in just_preempted), None)
+            if req is None:
+                break
+            computed_blocks, num_hit = [], 0
+            if req.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - num_hit
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._preempt_batch_for(req, out):
+                    break
+                continue
+            if not self.kv.allocate_slots(req, n, computed_blocks):
+                if not self._preempt_batch_for(req, out):
+                    break
+                continue
+            self.waiting.remove(req)
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    def _preempt_batch_for(self, req: Request, out: SchedulerOutput) -> bool:
+        """Preempt the last running batch-lane request to make room for an interactive one
+        (batch requests are not scheduled yet when interactive ones are admitted)."""
+        victim = next((r for r in reversed(self.running) if r.lane == Lane.BATCH), None)
+        if req.lane != Lane.INTERACTIVE or victim is None:
+            return False
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.preempted_request_ids.append(victim.request_id)
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -5,15 +5,18 @@ from ember.core.sampling_params import SamplingParams
 from ember.core.scheduler import Scheduler
 
 
-def make_scheduler(budget: int = 64, blocks: int = 64, block_size: int = 4) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget),
+def make_scheduler(budget: int = 64, blocks: int = 64, block_size: int = 4,
+                   batch_cap: int = 256, max_seqs: int = 128) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     max_batch_lane_tokens=batch_cap),
                      KVCacheManager(blocks, block_size))
 
 
 def add(s: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4,
-        lane: Lane = Lane.INTERACTIVE) -> Request:
-    req = Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
-                  lane=lane)
+        lane: Lane = Lane.INTERACTIVE, first_token: int = 1) -> Request:
+    """Prompts with the same first_token share a prefix (and so prefix-cache blocks)."""
+    req = Request(rid, list(range(first_token, first_token + n_prompt)),
+                  SamplingParams(max_tokens=max_tokens), lane=lane)
     s.add_request(req)
     return req
 
@@ -52,6 +55,51 @@ def test_interactive_lane_is_admitted_before_earlier_batch_work():
     add(s, "batch", 8, lane=Lane.BATCH)
     add(s, "chat", 8)
     out = s.schedule()
+    assert [sr.request_id for sr in out.scheduled] == ["chat"]
+
+
+def test_waiting_interactive_goes_before_running_batch_prefill():
+    s = make_scheduler(budget=16)
+    batch = add(s, "batch", 100, lane=Lane.BATCH)
+    run_step(s)  # the batch prompt is mid-prefill
+    add(s, "chat", 12, first_token=1000)
+    out = run_step(s)
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("chat", 12),
+                                                                            ("batch", 4)]
+    assert batch.num_computed_tokens == 20
+
+
+def test_batch_lane_tokens_per_step_are_capped():
+    s = make_scheduler(budget=64, batch_cap=10)
+    add(s, "batch", 40, lane=Lane.BATCH)
+    add(s, "batch2", 40, lane=Lane.BATCH)
+    sizes = [run_step(s).num_batched_tokens for _ in range(3)]
+    assert sizes == [10, 10, 10]
+    add(s, "chat", 30, first_token=1000)
+    out = run_step(s)
+    assert {sr.request_id: len(sr.token_ids) for sr in out.scheduled} == {"chat": 30,
+                                                                          "batch": 10}
+
+
+def test_interactive_request_preempts_batch_work_for_blocks_and_slots():
+    s = make_scheduler(budget=64, blocks=6, block_size=4)
+    batch = add(s, "batch", 20, max_tokens=4, lane=Lane.BATCH)  # 23 tokens of KV fill 6 blocks
+    run_step(s)
+    chat = add(s, "chat", 8, first_token=1000)
+    out = run_step(s)  # 5 of 6 blocks are the batch request's: it makes room
+    assert out.preempted_request_ids == ["batch"]
+    assert [sr.request_id for sr in out.scheduled] == ["chat"]
+    assert batch.status == RequestStatus.PREEMPTED and batch.num_computed_tokens == 0
+    while s.has_unfinished():
+        run_step(s)
+    assert chat.num_output_tokens == 4 and batch.num_output_tokens == 4
+
+    s = make_scheduler(max_seqs=1)
+    add(s, "batch", 8, max_tokens=30, lane=Lane.BATCH)
+    run_step(s)
+    add(s, "chat", 8, first_token=1000)
+    out = run_step(s)
+    assert out.preempted_request_ids == ["batch"]
     assert [sr.request_id for sr in out.scheduled] == ["chat"]
 
 
