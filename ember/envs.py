@@ -35,3 +35,9 @@ def worker_authkey() -> bytes | None:
     (EMBER_WORKER_AUTHKEY)."""
     value = os.environ.get("EMBER_WORKER_AUTHKEY")
     return value.encode() if value else None
+
+
+def cpu_kernels_enabled() -> bool:
+    """Whether the compiled CPU attention kernel may be built and used (EMBER_CPU_KERNELS=0
+    turns it off)."""
+    return os.environ.get("EMBER_CPU_KERNELS", "1") != "0"

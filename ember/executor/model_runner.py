@@ -26,6 +26,7 @@ from ember.executor.structured_output import StructuredOutputManager
 from ember.executor.weight_slices import ReadCounter, weight_sources
 from ember.layers.attention import AttentionMetadata, PrefillSpan, attention_dtype
 from ember.layers.expert_parallel import ExpertParallelMoeBlock
+from ember.layers.linear import pack_for_cpu
 from ember.layers.sampler import SamplerOutput, SamplingRow, sample
 from ember.models.moe_base import MoEForCausalLM
 from ember.models.registry import model_class
@@ -62,7 +63,18 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     if missing:
         raise ValueError(f"model: checkpoint {checkpoint.path} lacks {len(missing)} tensors, "
                          f"e.g. {missing[:3]}")
+    pack_for_cpu(model)
     return model.eval()
+
+
+def compute_dtype(requested: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype weights are held and multiplied in. A CPU without native bf16/fp16 matmul
+    (oneDNN needs AVX512-BF16, AVX-NE-CONVERT or AMX) emulates it at ~16 GFLOP/s on two AVX2
+    cores against ~80 for fp32, so there a half-precision request computes in fp32."""
+    if (device.type == "cpu" and requested in (torch.bfloat16, torch.float16)
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return torch.float32
+    return requested
 
 
 class ModelRunner:
@@ -76,7 +88,10 @@ class ModelRunner:
             torch.set_num_threads(envs.num_threads())
         self.is_driver = parallel is None or parallel.layout.is_driver
         self.device = device or torch.device(config.model.device)
-        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.dtype = compute_dtype(TORCH_DTYPES[config.model.dtype], self.device)
+        if self.dtype != TORCH_DTYPES[config.model.dtype]:
+            logger.info("dtype %s: this CPU has no native half-precision matmul, computing in %s",
+                        config.model.dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.bytes_read = ReadCounter()
         self.model = load_model(checkpoint, self.dtype, self.device, parallel, self.bytes_read)
@@ -117,28 +132,16 @@ class ModelRunner:
                             else slot_mapping[row:row + n])
                 prefills.append(PrefillSpan(row, row + n, kv_slots.to(self.device), sr.start_pos))
             row += n
-        if decode_rows:
-            max_len = max(decode_lens)
-            max_blocks = -(-max_len // self.block_size)
-            tables = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
-            for i, ids in enumerate(decode_tables):
-                ids = ids[:max_blocks]
-                tables[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            pos = torch.arange(max_len)
-            slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
-            valid = pos.unsqueeze(0) < torch.tensor(decode_lens).unsqueeze(1)
-            slots = slots.masked_fill(~valid, 0)
-            mask = torch.zeros(valid.shape, dtype=self.kv_dtype).masked_fill(~valid, float("-inf"))
-            decode_kv_slots = slots.to(self.device)
-            decode_kv_mask = mask[:, None, None, :].to(self.device)
-        else:
-            decode_kv_slots = torch.zeros(0, 1, dtype=torch.long, device=self.device)
-            decode_kv_mask = torch.zeros(0, 1, 1, 1, dtype=self.kv_dtype, device=self.device)
+        width = max((len(ids) for ids in decode_tables), default=1)
+        tables = torch.tensor([ids + [0] * (width - len(ids)) for ids in decode_tables],
+                              dtype=torch.long).view(len(decode_tables), width)
         return AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-            decode_kv_slots=decode_kv_slots,
-            decode_kv_mask=decode_kv_mask,
+            decode_block_tables=tables.to(self.device),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            decode_max_len=max(decode_lens, default=0),
+            block_size=self.block_size,
             prefills=prefills,
         )
 
@@ -230,9 +233,5 @@ class ModelRunner:
 
     def _run_empty(self) -> None:
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=empty, decode_rows=empty,
-            decode_kv_slots=torch.zeros(0, 1, dtype=torch.long, device=self.device),
-            decode_kv_mask=torch.zeros(0, 1, 1, 1, dtype=self.kv_dtype, device=self.device),
-            prefills=[])
-        self.model(empty, empty, self.kv_caches, meta)
+        self.model(empty, empty, self.kv_caches,
+                   AttentionMetadata.empty(self.block_size, self.device))

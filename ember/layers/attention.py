@@ -3,19 +3,24 @@
 The model runner flattens a step's tokens into one batch of T rows and describes it with
 `AttentionMetadata`. Each layer's cache is a tensor with a slot dimension (here
 [2, Hkv, slots, D]; MLA keeps [slots, latent]), where slot = block_id * block_size + offset.
-New tokens' K/V are written at `slot_mapping`; attention reads each sequence's context back
-through its slots with index_select.
+New tokens' K/V are written at `slot_mapping`.
 
-Sequences with one new token (decodes) are attended in one batched, masked call; sequences
-with several new tokens (prefill chunks, possibly after a prefix hit) get one call each.
+Sequences with one new token (decodes) are described by their block tables and lengths. On CPU
+the compiled kernel (cpu_attention.py) reads their context in place; elsewhere, or without a
+compiler, the context is gathered with index_select and attended in one batched, masked call.
+Sequences with several new tokens (prefill chunks, possibly after a prefix hit) get one SDPA
+call each.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ember.layers.cpu_attention import cpu_kernel_available, paged_decode_attention
 
 
 @dataclass
@@ -32,13 +37,41 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot of each new token
     decode_rows: torch.Tensor  # [Bd] batch rows of the single-token sequences
-    decode_kv_slots: torch.Tensor  # [Bd, Lmax] context slots, padded with slot 0
-    decode_kv_mask: torch.Tensor  # [Bd, 1, 1, Lmax] additive mask: 0 real, -inf padding
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] block ids, padded with block 0
+    decode_seq_lens: torch.Tensor  # [Bd] context length, the new token included
+    decode_max_len: int  # max of decode_seq_lens (0 without decodes)
+    block_size: int
     prefills: list[PrefillSpan]
+
+    @classmethod
+    def empty(cls, block_size: int, device: torch.device) -> AttentionMetadata:
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(slot_mapping=none, decode_rows=none,
+                   decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
+                   decode_seq_lens=none, decode_max_len=0, block_size=block_size, prefills=[])
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_rows.numel())
+
+    @functools.cached_property
+    def decode_kv_slots(self) -> torch.Tensor:
+        """[Bd, max_len] context slots of each decode, padded with slot 0 (for gathers)."""
+        pos = torch.arange(self.decode_max_len, device=self.decode_seq_lens.device)
+        slots = (self.decode_block_tables[:, pos // self.block_size] * self.block_size
+                 + pos % self.block_size)
+        return slots.masked_fill(~self._decode_valid, 0)
+
+    @functools.cached_property
+    def decode_kv_mask(self) -> torch.Tensor:
+        """[Bd, 1, 1, max_len] fp32 additive mask: 0 for context, -inf for padding."""
+        mask = torch.zeros(self._decode_valid.shape, device=self.decode_seq_lens.device)
+        return mask.masked_fill(~self._decode_valid, float("-inf"))[:, None, None, :]
+
+    @functools.cached_property
+    def _decode_valid(self) -> torch.Tensor:
+        pos = torch.arange(self.decode_max_len, device=self.decode_seq_lens.device)
+        return pos.unsqueeze(0) < self.decode_seq_lens.unsqueeze(1)
 
 
 def causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -90,17 +123,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     write_slots(k_cache, meta.slot_mapping, k.transpose(0, 1), dim=1)
     write_slots(v_cache, meta.slot_mapping, v.transpose(0, 1), dim=1)
-    compute = k_cache.dtype
+    compute = attention_dtype(q.dtype, q.device)
+    if meta.num_decodes and not meta.prefills:  # a pure decode step: every row, in order
+        return _decode(q, kv_cache, meta, scale).to(q.dtype)
     out = torch.empty(q.shape, dtype=compute, device=q.device)
-    gqa = q.shape[1] != k.shape[1]
     if meta.num_decodes:
-        kd = gather_slots(k_cache, meta.decode_kv_slots, dim=1)  # [Hkv, Bd, L, D]
-        vd = gather_slots(v_cache, meta.decode_kv_slots, dim=1)
-        mask = meta.decode_kv_mask.to(compute)
-        if not meta.prefills:  # a pure decode step: every row is a decode, in order
-            return decode_attention(q.to(compute), kd, vd, mask, scale).to(q.dtype)
-        out[meta.decode_rows] = decode_attention(q[meta.decode_rows].to(compute), kd, vd,
-                                                 mask, scale)
+        out[meta.decode_rows] = _decode(q[meta.decode_rows], kv_cache, meta, scale)
+    gqa = q.shape[1] != k.shape[1]
     for span in meta.prefills:
         qp = q[span.start:span.end].transpose(0, 1).to(compute)  # [Hq, S, D]
         if span.num_context == 0:
@@ -109,10 +138,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                 enable_gqa=gqa)
         else:
-            kp = gather_slots(k_cache, span.kv_slots, dim=1)  # [Hkv, L, D]
-            vp = gather_slots(v_cache, span.kv_slots, dim=1)
+            kp = gather_slots(k_cache, span.kv_slots, dim=1).to(compute)  # [Hkv, L, D]
+            vp = gather_slots(v_cache, span.kv_slots, dim=1).to(compute)
             mask = causal_mask(qp.shape[1], kp.shape[1], compute, q.device)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                                 enable_gqa=gqa)
         out[span.start:span.end] = op.transpose(0, 1)
     return out.to(q.dtype)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    """Attention of the decode rows q [Bd, Hq, D] over their paged context, in fp32 on CPU."""
+    if kv_cache.device.type == "cpu" and kv_cache.shape[-1] % 16 == 0 and cpu_kernel_available():
+        return paged_decode_attention(q, kv_cache, meta.decode_block_tables,
+                                      meta.decode_seq_lens, meta.block_size, scale)
+    compute = attention_dtype(q.dtype, q.device)
+    kd = gather_slots(kv_cache[0], meta.decode_kv_slots, dim=1).to(compute)  # [Hkv, Bd, L, D]
+    vd = gather_slots(kv_cache[1], meta.decode_kv_slots, dim=1).to(compute)
+    return decode_attention(q.to(compute), kd, vd, meta.decode_kv_mask.to(compute), scale)

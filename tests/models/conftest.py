@@ -162,15 +162,17 @@ class PagedRunner:
             else:
                 prefills.append(PrefillSpan(row, row + c.n, self.slots[c.seq][:end], c.start))
             row += c.n
+        # each sequence's slots are scattered, so its block table is its slot list (block size 1)
         width = max((len(s) for s in decode_slots), default=1)
-        kv_slots = torch.zeros(len(decode_slots), width, dtype=torch.long)
-        mask = torch.full((len(decode_slots), 1, 1, width), float("-inf"))
+        tables = torch.zeros(len(decode_slots), width, dtype=torch.long)
         for i, s in enumerate(decode_slots):
-            kv_slots[i, :len(s)] = s
-            mask[i, ..., :len(s)] = 0.0
+            tables[i, :len(s)] = s
+        lens = [len(s) for s in decode_slots]
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping),
                                  decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-                                 decode_kv_slots=kv_slots, decode_kv_mask=mask,
+                                 decode_block_tables=tables,
+                                 decode_seq_lens=torch.tensor(lens, dtype=torch.long),
+                                 decode_max_len=max(lens, default=0), block_size=1,
                                  prefills=prefills)
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.cat(pos), self.caches, meta)
