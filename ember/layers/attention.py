@@ -131,19 +131,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         out[meta.decode_rows] = _decode(q[meta.decode_rows], kv_cache, meta, scale)
     gqa = q.shape[1] != k.shape[1]
     for span in meta.prefills:
-        qp = q[span.start:span.end].transpose(0, 1).to(compute)  # [Hq, S, D]
+        # a leading batch dim of 1: torch picks its flash kernel on CPU only for 4-D inputs
+        qp = q[span.start:span.end].transpose(0, 1).to(compute)[None]  # [1, Hq, S, D]
         if span.num_context == 0:
-            kp = k[span.start:span.end].transpose(0, 1).to(compute)
-            vp = v[span.start:span.end].transpose(0, 1).to(compute)
+            kp = k[span.start:span.end].transpose(0, 1).to(compute)[None]
+            vp = v[span.start:span.end].transpose(0, 1).to(compute)[None]
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                 enable_gqa=gqa)
         else:
-            kp = gather_slots(k_cache, span.kv_slots, dim=1).to(compute)  # [Hkv, L, D]
-            vp = gather_slots(v_cache, span.kv_slots, dim=1).to(compute)
-            mask = causal_mask(qp.shape[1], kp.shape[1], compute, q.device)
+            kp = gather_slots(k_cache, span.kv_slots, dim=1).to(compute)[None]  # [1, Hkv, L, D]
+            vp = gather_slots(v_cache, span.kv_slots, dim=1).to(compute)[None]
+            mask = causal_mask(qp.shape[2], kp.shape[2], compute, q.device)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                                 enable_gqa=gqa)
-        out[span.start:span.end] = op.transpose(0, 1)
+        out[span.start:span.end] = op[0].transpose(0, 1)
     return out.to(q.dtype)
 
 

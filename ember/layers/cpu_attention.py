@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ def cpu_kernel_available() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     try:
         cpp_extension.load(name="ember_cpu_attention", sources=[str(SOURCE)],
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
@@ -39,6 +42,18 @@ def cpu_kernel_available() -> bool:
         logger.warning("CPU attention kernel unavailable, using the torch path: %s", exc)
         return False
     return True
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` package's binary is not there when ember runs
+    from a virtual environment that is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
