@@ -6,7 +6,7 @@ exceeds the budget), a prefix hit starts the count above zero, a decode is a cat
 Requests are ordered by lane (interactive before batch), priority and arrival. Each lane's
 running requests, then its waiting ones, take the budget before the next lane's, so a waiting
 interactive request goes ahead of batch work already running; the batch lane also has its own
-per-step cap. When KV blocks (or sequence slots) run out the last of that order is preempted
+per-step cap, and while an interactive prompt is prefilled (or waits) batch requests only decode. When KV blocks (or sequence slots) run out the last of that order is preempted
 and later recomputed.
 """
 
@@ -91,9 +91,13 @@ class Scheduler:
         for lane in Lane:
             lane_budget = budget if lane == Lane.INTERACTIVE else min(
                 budget, self.config.max_batch_lane_tokens)
-            left, preempted_now = self._schedule_running(lane, lane_budget, scheduled, out)
+            # while an interactive prompt is being prefilled (or waits), batch requests only
+            # decode: their prefill chunks would lengthen the step that ends in its first token
+            decode_only = lane == Lane.BATCH and self._interactive_prefilling(scheduled)
+            left, preempted_now = self._schedule_running(lane, lane_budget, scheduled, out,
+                                                         decode_only)
             preempted = preempted or preempted_now
-            if not preempted:
+            if not preempted and not decode_only:
                 left = self._admit_waiting(lane, left, scheduled, out)
                 self.running.sort(key=lambda r: r.sort_key)  # admitted ones join their lane
             budget -= lane_budget - left
@@ -113,17 +117,24 @@ class Scheduler:
             ))
         return out
 
+    def _interactive_prefilling(self, scheduled: list[tuple[Request, int]]) -> bool:
+        """Whether this step prefills an interactive prompt or one is left waiting."""
+        return (any(n > 1 and req.lane == Lane.INTERACTIVE for req, n in scheduled)
+                or any(req.lane == Lane.INTERACTIVE for req in self.waiting))
+
     def _schedule_running(self, lane: Lane, budget: int, scheduled: list[tuple[Request, int]],
-                          out: SchedulerOutput) -> tuple[int, bool]:
-        """Give the lane's running requests their catch-up tokens; returns the budget left and
-        whether anything was preempted. Victims come from the end of the running order (the
-        batch lane first), never from requests already scheduled this step."""
+                          out: SchedulerOutput, decode_only: bool = False) -> tuple[int, bool]:
+        """Give the lane's running requests their catch-up tokens (with decode_only, only to
+        those one token behind); returns the budget left and whether anything was preempted.
+        Victims come from the end of the running order (the batch lane first), never from
+        requests already scheduled this step."""
         preempted = False
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if req.lane != lane or n <= 0:
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            if req.lane != lane or n <= 0 or (decode_only and remaining > 1):
                 idx += 1
                 continue
             while not self.kv.allocate_slots(req, n):

@@ -58,15 +58,29 @@ def test_interactive_lane_is_admitted_before_earlier_batch_work():
     assert [sr.request_id for sr in out.scheduled] == ["chat"]
 
 
-def test_waiting_interactive_goes_before_running_batch_prefill():
+def test_batch_prefill_pauses_while_an_interactive_prompt_prefills():
     s = make_scheduler(budget=16)
     batch = add(s, "batch", 100, lane=Lane.BATCH)
     run_step(s)  # the batch prompt is mid-prefill
     add(s, "chat", 12, first_token=1000)
     out = run_step(s)
-    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("chat", 12),
-                                                                            ("batch", 4)]
-    assert batch.num_computed_tokens == 20
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("chat", 12)]
+    assert batch.num_computed_tokens == 16
+    out = run_step(s)  # chat decodes: the batch prefill goes on beside it
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("chat", 1),
+                                                                            ("batch", 15)]
+
+
+def test_batch_decodes_go_on_while_an_interactive_prompt_prefills():
+    s = make_scheduler(budget=64)
+    batch = add(s, "batch", 8, max_tokens=10, lane=Lane.BATCH)
+    run_step(s)
+    add(s, "chat", 40, first_token=1000)
+    waiting_batch = add(s, "batch2", 8, lane=Lane.BATCH, first_token=2000)
+    out = run_step(s)
+    assert {sr.request_id: len(sr.token_ids) for sr in out.scheduled} == {"chat": 40,
+                                                                          "batch": 1}
+    assert batch.num_output_tokens == 2 and waiting_batch.num_computed_tokens == 0
 
 
 def test_batch_lane_tokens_per_step_are_capped():
@@ -76,9 +90,9 @@ def test_batch_lane_tokens_per_step_are_capped():
     sizes = [run_step(s).num_batched_tokens for _ in range(3)]
     assert sizes == [10, 10, 10]
     add(s, "chat", 30, first_token=1000)
-    out = run_step(s)
-    assert {sr.request_id: len(sr.token_ids) for sr in out.scheduled} == {"chat": 30,
-                                                                          "batch": 10}
+    assert {sr.request_id: len(sr.token_ids) for sr in run_step(s).scheduled} == {"chat": 30}
+    assert {sr.request_id: len(sr.token_ids) for sr in run_step(s).scheduled} == {"chat": 1,
+                                                                                  "batch": 10}
 
 
 def test_interactive_request_preempts_batch_work_for_blocks_and_slots():
