@@ -6,8 +6,9 @@ exceeds the budget), a prefix hit starts the count above zero, a decode is a cat
 Requests are ordered by lane (interactive before batch), priority and arrival. Each lane's
 running requests, then its waiting ones, take the budget before the next lane's, so a waiting
 interactive request goes ahead of batch work already running; the batch lane also has its own
-per-step cap, and while an interactive prompt is prefilled (or waits) batch requests only decode. When KV blocks (or sequence slots) run out the last of that order is preempted
-and later recomputed.
+per-step cap, and while an interactive prompt is prefilled (or waits) batch requests only
+decode. When KV blocks (or sequence slots) run out the last of that order is preempted and
+later recomputed.
 """
 
 from __future__ import annotations
