@@ -68,11 +68,12 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
 
 
 def compute_dtype(requested: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype weights are held and multiplied in. A CPU without native bf16/fp16 matmul
-    (oneDNN needs AVX512-BF16, AVX-NE-CONVERT or AMX) emulates it at ~16 GFLOP/s on two AVX2
-    cores against ~80 for fp32, so there a half-precision request computes in fp32."""
-    if (device.type == "cpu" and requested in (torch.bfloat16, torch.float16)
-            and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    """The dtype weights are held and multiplied in. A CPU without native bf16 (or fp16) matmul
+    (oneDNN needs AVX512-BF16, AVX512-FP16, AVX-NE-CONVERT or AMX) emulates it at ~16 GFLOP/s on
+    two AVX2 cores against ~80 for fp32, so there a half-precision request computes in fp32."""
+    native = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+              torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
+    if device.type == "cpu" and requested in native and not native[requested]():
         return torch.float32
     return requested
 
